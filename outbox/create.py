@@ -1,0 +1,229 @@
+"""The create path: one transaction writes the task, the receipt and the outbox rows.
+
+The contract (DESIGN.md, "The caller's contract"):
+
+- the key is ``(tenant, operation_id)``, supplied by the caller;
+- same key, same arguments: the stored receipt, byte for byte, with the first
+  reply's status code;
+- same key, different arguments: ``IdempotencyKeyReused``, nothing written;
+- a tombstone for the key: ``OperationExpired`` (reconcile, never a fresh key);
+- the task, the operation record and every outbox row commit together or not at all.
+
+Concurrency. SQLite: the transaction starts with ``BEGIN IMMEDIATE``, so two
+creators of one key serialise and the second finds the first's record.
+PostgreSQL: the primary key of ``operations`` is the identity; the insert is
+``ON CONFLICT DO NOTHING``, which waits for a concurrent inserter of the same
+key to finish. If ours inserted nothing we roll back everything we wrote
+(the task included) and replay what the winner committed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import cached_property
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from outbox import db, digest, errors, faults, schema, states, tools
+
+OPERATION_ID = re.compile(r"^[\x21-\x7e]{1,255}$")
+CREATED_STATUS = 201
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteResult:
+    """What ``execute`` did. ``receipt_json`` is the exact stored body."""
+
+    tenant: str
+    operation_id: str
+    created: bool
+    status_code: int
+    receipt_json: str
+
+    @property
+    def replayed(self) -> bool:
+        return not self.created
+
+    @cached_property
+    def receipt(self) -> dict[str, Any]:
+        value: dict[str, Any] = json.loads(self.receipt_json)
+        return value
+
+
+class _LostRace(Exception):
+    """PostgreSQL: a concurrent transaction committed this key first."""
+
+
+def validate_operation_id(operation_id: Any) -> str:
+    if not isinstance(operation_id, str) or not OPERATION_ID.match(operation_id):
+        raise errors.InvalidOperationId(
+            "the operation id (Idempotency-Key) must be 1-255 visible ASCII characters "
+            "(no spaces or control characters)"
+        )
+    return operation_id
+
+
+def new_effect_key() -> str:
+    """Minted once per effect, in the creating transaction, and never again."""
+    return f"obx_{uuid.uuid4().hex}"
+
+
+def encode_receipt(receipt: Mapping[str, Any]) -> str:
+    return json.dumps(receipt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def execute(
+    engine: Engine,
+    registry: tools.Registry,
+    *,
+    tenant: str,
+    operation_id: str,
+    tool: str,
+    arguments: Any,
+    now: datetime,
+    retention: timedelta,
+    effect_deadline: timedelta,
+) -> ExecuteResult:
+    validate_operation_id(operation_id)
+    spec = registry.get(tool)
+    args = spec.validate(arguments)
+    arg_values = args.model_dump(mode="json")
+    args_digest = digest.args_digest(spec.name, spec.payload_version, arg_values)
+    try:
+        with db.write(engine) as conn:
+            found = _find(conn, tenant, operation_id)
+            if found is not None:
+                return _answer_existing(tenant, operation_id, args_digest, found)
+            return _create(
+                conn,
+                spec,
+                args,
+                tenant=tenant,
+                operation_id=operation_id,
+                args_digest=args_digest,
+                now=now,
+                retention=retention,
+                effect_deadline=effect_deadline,
+            )
+    except _LostRace:
+        pass
+    except exc.IntegrityError as error:
+        raise _integrity_error(error, tenant) from error
+    # The winner has committed; what did it write?
+    with db.read(engine) as conn:
+        found = _find(conn, tenant, operation_id)
+    if found is None:  # pragma: no cover - the winner committed, so its row exists
+        raise errors.Busy()
+    return _answer_existing(tenant, operation_id, args_digest, found)
+
+
+def _find(conn: Connection, tenant: str, operation_id: str) -> sa.Row[Any] | None:
+    """One round trip for both the live record and its tombstone."""
+    ops, tombs = schema.operations, schema.tombstones
+    query = sa.union_all(
+        sa.select(
+            sa.literal("op").label("kind"), ops.c.args_digest, ops.c.receipt, ops.c.status_code
+        ).where(ops.c.tenant == tenant, ops.c.operation_id == operation_id),
+        sa.select(
+            sa.literal("tomb").label("kind"),
+            tombs.c.args_digest,
+            sa.null().label("receipt"),
+            sa.null().label("status_code"),
+        ).where(tombs.c.tenant == tenant, tombs.c.operation_id == operation_id),
+    )
+    return conn.execute(query).first()
+
+
+def _answer_existing(
+    tenant: str, operation_id: str, args_digest: str, found: sa.Row[Any]
+) -> ExecuteResult:
+    if found.kind == "tomb":
+        raise errors.OperationExpired(
+            tenant, operation_id, same_arguments=found.args_digest == args_digest
+        )
+    if found.args_digest != args_digest:
+        raise errors.IdempotencyKeyReused(tenant, operation_id)
+    return ExecuteResult(tenant, operation_id, False, found.status_code, found.receipt)
+
+
+def _create(
+    conn: Connection,
+    spec: tools.Tool,
+    args: Any,
+    *,
+    tenant: str,
+    operation_id: str,
+    args_digest: str,
+    now: datetime,
+    retention: timedelta,
+    effect_deadline: timedelta,
+) -> ExecuteResult:
+    output = spec.handler(tools.ToolContext(conn, tenant, operation_id, now), args)
+    faults.point("create.after_task_insert")
+    receipt_json = encode_receipt(output.receipt)
+    values = {
+        "tenant": tenant,
+        "operation_id": operation_id,
+        "tool": spec.name,
+        "payload_version": spec.payload_version,
+        "args_digest": args_digest,
+        "receipt": receipt_json,
+        "status_code": CREATED_STATUS,
+        "task_id": output.task_id,
+        "created_at": now,
+        "expires_at": now + retention,
+    }
+    insert = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(
+        schema.operations
+    )
+    inserted = conn.execute(
+        insert.on_conflict_do_nothing().returning(schema.operations.c.tenant), values
+    ).first()
+    if inserted is None:
+        raise _LostRace()
+    faults.point("create.after_operation_insert")
+    if output.effects:
+        conn.execute(
+            sa.insert(schema.outbox),
+            [
+                {
+                    "tenant": tenant,
+                    "operation_id": operation_id,
+                    "effect": effect.effect,
+                    "adapter": effect.adapter,
+                    "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
+                    "effect_key": new_effect_key(),
+                    "status": states.EffectStatus.PENDING,
+                    "reason": states.Reason.CREATED,
+                    "attempts": 0,
+                    "maybe_sent": False,
+                    "next_attempt_at": now,
+                    "deadline_at": now + (effect.deadline or effect_deadline),
+                    "fence": 0,
+                    "needs_review": False,
+                    "lookup_attempts": 0,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                for effect in output.effects
+            ],
+        )
+    faults.point("create.after_outbox_insert")
+    return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
+
+
+def _integrity_error(error: exc.IntegrityError, tenant: str) -> errors.OutboxError:
+    name = db.constraint_name(error) or ""
+    text = str(error.orig).lower()
+    if (name.startswith("fk_") and "tenant" in name) or "foreign key" in text:
+        return errors.UnknownTenant(tenant)
+    return errors.OutboxError(f"the database refused the write ({name or text})")

@@ -1,0 +1,238 @@
+"""Engines, transactions and the schema guard, for SQLite and PostgreSQL.
+
+SQLite: WAL journal (readers never block the writer), ``foreign_keys=ON``, a
+busy timeout, and every write transaction opened with ``BEGIN IMMEDIATE`` so
+two writers serialise at BEGIN instead of failing at their first write. The
+pysqlite driver opens transactions lazily and on its own terms, so we switch
+that off (``isolation_level = None``) and emit BEGIN ourselves from the
+``begin`` event: the recipe in SQLAlchemy's SQLite dialect documentation.
+
+PostgreSQL: psycopg 3, timestamps in UTC, ``lock_timeout`` bounded by the busy
+timeout so a write that waits on a lock answers Busy instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import Connection, Engine
+
+from outbox import errors
+from outbox.settings import Settings
+
+SQLITE_BEGIN_OPTION = "outbox_sqlite_begin"
+
+
+def normalise_url(url: str) -> sa.URL:
+    """Accept ``postgresql://`` and ``postgres://`` and use psycopg 3 for them."""
+    parsed = sa.make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def is_sqlite(engine_or_conn: Engine | Connection) -> bool:
+    return engine_or_conn.dialect.name == "sqlite"
+
+
+def create_engine(settings: Settings, *, url: str | None = None, **kwargs: Any) -> Engine:
+    """The one engine factory. ``url`` overrides ``settings.database_url``."""
+    parsed = normalise_url(url or settings.database_url)
+    busy = settings.busy_timeout.total_seconds()
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed, settings, busy, **kwargs)
+    if parsed.get_backend_name() == "postgresql":
+        return _postgres_engine(parsed, busy, **kwargs)
+    raise errors.ConfigError(
+        f"OUTBOX_DATABASE_URL: unsupported database {parsed.get_backend_name()!r}; "
+        "use sqlite:///path.db or postgresql://user@host/db"
+    )
+
+
+def _sqlite_engine(parsed: sa.URL, settings: Settings, busy: float, **kwargs: Any) -> Engine:
+    database = parsed.database
+    if not database or database == ":memory:":
+        raise errors.ConfigError(
+            "OUTBOX_DATABASE_URL: an in-memory SQLite database cannot be shared between "
+            "processes or connections; use a file, e.g. sqlite:///var/outbox.db"
+        )
+    Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(
+        parsed,
+        connect_args={"timeout": busy, "check_same_thread": False},
+        pool_size=kwargs.pop("pool_size", 16),
+        max_overflow=kwargs.pop("max_overflow", 16),
+        **kwargs,
+    )
+    synchronous = settings.sqlite_synchronous
+    busy_ms = int(busy * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let us, not the driver, decide when a transaction begins.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA synchronous={synchronous}")
+        cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get(SQLITE_BEGIN_OPTION, "IMMEDIATE")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+    return engine
+
+
+def _postgres_engine(parsed: sa.URL, busy: float, **kwargs: Any) -> Engine:
+    options = f"-c timezone=UTC -c lock_timeout={int(busy * 1000)}"
+    return sa.create_engine(
+        parsed,
+        connect_args={"options": options, "application_name": "outbox"},
+        pool_size=kwargs.pop("pool_size", 16),
+        max_overflow=kwargs.pop("max_overflow", 16),
+        pool_pre_ping=kwargs.pop("pool_pre_ping", True),
+        **kwargs,
+    )
+
+
+@contextlib.contextmanager
+def write(engine: Engine) -> Iterator[Connection]:
+    """A write transaction: ``BEGIN IMMEDIATE`` on SQLite. Commits on success."""
+    with translate_errors(), engine.connect() as conn, conn.begin():
+        yield conn
+
+
+@contextlib.contextmanager
+def read(engine: Engine) -> Iterator[Connection]:
+    """A read transaction: deferred on SQLite, so readers never queue for the write lock."""
+    with translate_errors(), engine.connect() as conn:
+        if is_sqlite(conn):
+            conn.execution_options(**{SQLITE_BEGIN_OPTION: "DEFERRED"})
+        with conn.begin():
+            yield conn
+
+
+def is_lock_error(error: BaseException) -> bool:
+    """Lock waits that ran out: SQLite 'database is locked', PostgreSQL lock/serialisation."""
+    orig = getattr(error, "orig", None)
+    if orig is None:
+        return False
+    text = str(orig).lower()
+    if "database is locked" in text or "database table is locked" in text:
+        return True
+    sqlstate = getattr(orig, "sqlstate", None)
+    # 55P03 lock_not_available, 40001 serialization_failure, 40P01 deadlock_detected
+    return sqlstate in ("55P03", "40001", "40P01")
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Map the driver's lock errors to ``Busy`` once, here, keeping the cause."""
+    try:
+        yield
+    except exc.OperationalError as error:
+        if is_lock_error(error):
+            raise errors.Busy() from error
+        raise
+    except exc.DBAPIError as error:
+        if is_lock_error(error):
+            raise errors.Busy() from error
+        raise
+
+
+def constraint_name(error: exc.IntegrityError) -> str | None:
+    """The violated constraint's name (PostgreSQL reports it; SQLite reports the text)."""
+    orig: Any = error.orig
+    diag = getattr(orig, "diag", None)
+    name = getattr(diag, "constraint_name", None)
+    if name:
+        return str(name)
+    return None
+
+
+# --- migrations -------------------------------------------------------------
+
+
+def _alembic_config(connection: Connection | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def known_revisions() -> set[str]:
+    from alembic.script import ScriptDirectory
+
+    return {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with read(engine) as conn:
+        rev: str | None = MigrationContext.configure(conn).get_current_revision()
+        return rev
+
+
+def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
+    """Apply migrations; safe to run twice, and from two processes at once on PostgreSQL."""
+    from alembic import command
+
+    before = current_revision(engine)
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            # One migrator at a time: a second waits, then finds nothing to do.
+            conn.exec_driver_sql("SELECT pg_advisory_lock(726373)")
+            conn.commit()
+        try:
+            command.upgrade(_alembic_config(conn), revision)
+            conn.commit()
+        finally:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SELECT pg_advisory_unlock(726373)")
+                conn.commit()
+    return before, current_revision(engine) or ""
+
+
+def check_schema(engine: Engine) -> None:
+    """Refuse to run on a schema older or newer than the code, saying what to run."""
+    head = head_revision()
+    current = current_revision(engine)
+    if current == head:
+        return
+    if current is not None and current not in known_revisions():
+        raise errors.SchemaTooNew(current, head)
+    raise errors.SchemaNotCurrent(current, head)
+
+
+def database_label(engine: Engine) -> str:
+    """The URL without its password, for messages and logs."""
+    return engine.url.render_as_string(hide_password=True)
+
+
+def sqlite_path(engine: Engine) -> str | None:
+    return engine.url.database if is_sqlite(engine) else None
+
+
+def ensure_var_dir() -> None:
+    os.makedirs("var", exist_ok=True)

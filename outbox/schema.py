@@ -1,0 +1,329 @@
+"""The tables. SQLAlchemy Core, one ``MetaData`` with a naming convention.
+
+Constraint names are part of the contract: code maps an ``IntegrityError`` to a
+domain error by the constraint's name, and the tests prove that the database,
+not only Python, refuses each illegal row.
+
+The migrations in ``outbox/migrations`` create exactly these tables; a test
+compares the migrated database with this module and fails on any drift.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+from outbox import states
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Timezone-aware UTC in Python; ``timestamptz`` on PostgreSQL, sortable text on SQLite.
+
+    A naive datetime is refused: it is always a bug (ruff DTZ catches most).
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(sa.DateTime(timezone=False))
+        return dialect.type_descriptor(sa.DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _enum(enum: type[StrEnum], name: str, length: int = 32) -> sa.Enum:
+    return sa.Enum(
+        enum,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=length,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
+# SQLite needs INTEGER PRIMARY KEY (the rowid alias) to autoincrement.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+)
+
+api_tokens = sa.Table(
+    "api_tokens",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    # SHA-256 hex of the token; the token itself is never stored.
+    sa.Column("token_sha256", sa.String(64), nullable=False, unique=True),
+    sa.Column("tenant", sa.String(64), sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("role", _enum(states.Role, "role"), nullable=False),
+    sa.Column("label", sa.String(200), nullable=False, server_default=""),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("revoked_at", UTCDateTime(), nullable=True),
+)
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("tenant", sa.String(64), sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("subject", sa.String(200), nullable=False),
+    sa.Column("body", sa.Text(), nullable=False),
+    sa.Column("priority", _enum(states.TaskPriority, "priority"), nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("operation_id", sa.String(255), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Index("ix_tasks_tenant_id", "tenant", "id"),
+)
+
+operations = sa.Table(
+    "operations",
+    metadata,
+    # The identity: one (tenant, operation_id) is one logical operation.
+    sa.Column("tenant", sa.String(64), sa.ForeignKey("tenants.id"), primary_key=True),
+    sa.Column("operation_id", sa.String(255), primary_key=True),
+    sa.Column("tool", sa.String(100), nullable=False),
+    sa.Column("payload_version", sa.Integer(), nullable=False),
+    sa.Column("args_digest", sa.String(64), nullable=False),
+    # The exact bytes of the first reply's body, and its status code.
+    sa.Column("receipt", sa.Text(), nullable=False),
+    sa.Column("status_code", sa.Integer(), nullable=False),
+    sa.Column("task_id", sa.BigInteger(), nullable=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("expires_at", UTCDateTime(), nullable=False),
+    sa.Index("ix_operations_expires_at", "expires_at"),
+)
+
+S = states.EffectStatus
+_TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(states.TERMINAL))
+
+outbox = sa.Table(
+    "outbox",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("operation_id", sa.String(255), nullable=False),
+    sa.Column("effect", sa.String(100), nullable=False),
+    sa.Column("adapter", sa.String(100), nullable=False),
+    sa.Column("payload", sa.Text(), nullable=False),
+    # The downstream idempotency key: minted once, in the creating transaction.
+    # A trigger refuses any UPDATE that changes it.
+    sa.Column("effect_key", sa.String(100), nullable=False, unique=True),
+    sa.Column("status", _enum(states.EffectStatus, "status"), nullable=False),
+    sa.Column("reason", _enum(states.Reason, "reason", 40), nullable=False),
+    sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
+    # True once any attempt may have reached the provider (open or ambiguous).
+    sa.Column("maybe_sent", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("next_attempt_at", UTCDateTime(), nullable=False),
+    sa.Column("deadline_at", UTCDateTime(), nullable=False),
+    sa.Column("lease_owner", sa.String(200), nullable=True),
+    sa.Column("lease_expires_at", UTCDateTime(), nullable=True),
+    # Raised by every claim; a result is recorded only under the fence it was claimed with.
+    sa.Column("fence", sa.BigInteger(), nullable=False, server_default="0"),
+    sa.Column("needs_review", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("review_since", UTCDateTime(), nullable=True),
+    sa.Column("lookup_attempts", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("next_lookup_at", UTCDateTime(), nullable=True),
+    sa.Column("provider_ref", sa.String(500), nullable=True),
+    sa.Column("last_error", sa.Text(), nullable=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("finished_at", UTCDateTime(), nullable=True),
+    sa.ForeignKeyConstraint(
+        ["tenant", "operation_id"],
+        ["operations.tenant", "operations.operation_id"],
+        name="fk_outbox_operation",
+        ondelete="CASCADE",
+    ),
+    sa.CheckConstraint(
+        f"status NOT IN ({_TERMINAL_SQL}) OR finished_at IS NOT NULL",
+        name="terminal_has_finished_at",
+    ),
+    sa.CheckConstraint(
+        "status <> 'succeeded' OR provider_ref IS NOT NULL", name="succeeded_has_provider_ref"
+    ),
+    sa.CheckConstraint(
+        "status <> 'in_flight' OR (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
+        name="in_flight_has_lease",
+    ),
+    sa.CheckConstraint(
+        "needs_review = false OR status = 'outcome_unknown'", name="review_only_when_unknown"
+    ),
+    sa.CheckConstraint("attempts >= 0 AND lookup_attempts >= 0", name="counts_not_negative"),
+    sa.Index("ix_outbox_tenant_operation_id", "tenant", "operation_id"),
+    # Partial indexes: the hot queries touch only live rows, so a million
+    # finished rows do not slow the claim.
+    sa.Index(
+        "ix_outbox_due",
+        "next_attempt_at",
+        "id",
+        sqlite_where=sa.text("status = 'pending'"),
+        postgresql_where=sa.text("status = 'pending'"),
+    ),
+    sa.Index(
+        "ix_outbox_leased",
+        "lease_expires_at",
+        sqlite_where=sa.text("status = 'in_flight'"),
+        postgresql_where=sa.text("status = 'in_flight'"),
+    ),
+    sa.Index(
+        "ix_outbox_unknown",
+        "next_lookup_at",
+        sqlite_where=sa.text("status = 'outcome_unknown'"),
+        postgresql_where=sa.text("status = 'outcome_unknown'"),
+    ),
+)
+
+attempts = sa.Table(
+    "attempts",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("attempt_no", sa.Integer(), nullable=False),
+    sa.Column("worker", sa.String(200), nullable=False),
+    sa.Column("fence", sa.BigInteger(), nullable=False),
+    sa.Column("effect_key", sa.String(100), nullable=False),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("finished_at", UTCDateTime(), nullable=True),
+    sa.Column("outcome", _enum(states.AttemptOutcome, "outcome"), nullable=True),
+    sa.Column("status_code", sa.Integer(), nullable=True),
+    sa.Column("error", sa.Text(), nullable=True),
+    sa.Column("provider_ref", sa.String(500), nullable=True),
+    # The worker had lost its lease when it reported: evidence only, never state.
+    sa.Column("late", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.UniqueConstraint("effect_id", "attempt_no"),
+    sa.CheckConstraint("(finished_at IS NULL) = (outcome IS NULL)", name="finished_has_outcome"),
+)
+
+lookups = sa.Table(
+    "lookups",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("worker", sa.String(200), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("outcome", _enum(states.LookupOutcome, "lookup_outcome"), nullable=False),
+    sa.Column("provider_ref", sa.String(500), nullable=True),
+    sa.Column("error", sa.Text(), nullable=True),
+    sa.Index("ix_lookups_effect_id", "effect_id"),
+)
+
+review_actions = sa.Table(
+    "review_actions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    # Chosen by the caller: the same action id again is a replay, not a second action.
+    sa.Column("action_id", sa.String(100), nullable=False, unique=True),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("choice", _enum(states.ReviewChoice, "choice"), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("provider_ref", sa.String(500), nullable=True),
+    sa.Column("status_before", sa.String(32), nullable=False),
+    sa.Column("status_after", sa.String(32), nullable=False),
+    sa.CheckConstraint("length(reason) > 0", name="reason_required"),
+    sa.Index("ix_review_actions_effect_id", "effect_id"),
+)
+
+tombstones = sa.Table(
+    "tombstones",
+    metadata,
+    sa.Column("tenant", sa.String(64), primary_key=True),
+    sa.Column("operation_id", sa.String(255), primary_key=True),
+    sa.Column("args_digest", sa.String(64), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("expired_at", UTCDateTime(), nullable=False),
+    sa.Column("forget_at", UTCDateTime(), nullable=False),
+    sa.Index("ix_tombstones_forget_at", "forget_at"),
+)
+
+# The effect_key is immutable: the database refuses an UPDATE that changes it.
+EFFECT_KEY_TRIGGER_SQLITE = """
+CREATE TRIGGER trg_outbox_effect_key_immutable
+BEFORE UPDATE OF effect_key ON outbox
+WHEN NEW.effect_key IS NOT OLD.effect_key
+BEGIN
+    SELECT RAISE(ABORT, 'effect_key is immutable');
+END
+"""
+
+EFFECT_KEY_TRIGGER_POSTGRES = [
+    """
+CREATE FUNCTION outbox_effect_key_immutable() RETURNS trigger AS $$
+BEGIN
+    IF NEW.effect_key IS DISTINCT FROM OLD.effect_key THEN
+        RAISE EXCEPTION 'effect_key is immutable' USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    RETURN NEW;
+END
+$$ LANGUAGE plpgsql
+""",
+    """
+CREATE TRIGGER trg_outbox_effect_key_immutable
+BEFORE UPDATE OF effect_key ON outbox
+FOR EACH ROW EXECUTE FUNCTION outbox_effect_key_immutable()
+""",
+]
+
+# Wake dispatchers as soon as new rows commit (PostgreSQL only).
+NOTIFY_CHANNEL = "outbox_pending"
+NOTIFY_TRIGGER_POSTGRES = [
+    f"""
+CREATE FUNCTION outbox_notify_pending() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
+    RETURN NULL;
+END
+$$ LANGUAGE plpgsql
+""",
+    """
+CREATE TRIGGER trg_outbox_notify_pending
+AFTER INSERT ON outbox
+FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_pending()
+""",
+]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,247 @@
+"""``Outbox``: the one entry object of the Python API.
+
+    from outbox import Outbox
+    box = Outbox("sqlite:///var/outbox.db")      # or Outbox() to read OUTBOX_* settings
+    result = box.execute("acme", "op-123", "create_support_task", {"subject": "Late parcel"})
+    result.created, result.status_code, result.receipt
+
+It refuses to run on a schema that is not current (``outbox db upgrade``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Self
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy.engine import Engine
+
+from outbox import create, db, errors, retention, schema, settings, states, tools
+from outbox.create import ExecuteResult
+
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+TOKEN_PREFIX = "obx_"
+
+Clock = Callable[[], datetime]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the tenant a token belongs to, and its role."""
+
+    tenant: str
+    role: states.Role
+    token_id: int
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class Outbox:
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        config: settings.Settings | None = None,
+        engine: Engine | None = None,
+        registry: tools.Registry | None = None,
+        clock: Clock | None = None,
+        check_schema: bool = True,
+    ) -> None:
+        self.settings = config or settings.load()
+        self.engine = engine or db.create_engine(self.settings, url=database_url)
+        self.tools = registry or tools.default_registry()
+        self.clock: Clock = clock or schema.utcnow
+        if check_schema:
+            db.check_schema(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- the write path ------------------------------------------------------
+
+    def execute(self, tenant: str, operation_id: str, tool: str, arguments: Any) -> ExecuteResult:
+        """Create once, replay after: see ``outbox.create`` for the contract."""
+        return create.execute(
+            self.engine,
+            self.tools,
+            tenant=tenant,
+            operation_id=operation_id,
+            tool=tool,
+            arguments=arguments,
+            now=self.clock(),
+            retention=self.settings.retention,
+            effect_deadline=self.settings.effect_deadline,
+        )
+
+    # --- reads ---------------------------------------------------------------
+
+    def get_operation(self, tenant: str, operation_id: str) -> dict[str, Any]:
+        """The receipt (what happened to the request) and each effect's current state."""
+        ops, out = schema.operations, schema.outbox
+        with db.read(self.engine) as conn:
+            op = conn.execute(
+                sa.select(ops).where(ops.c.tenant == tenant, ops.c.operation_id == operation_id)
+            ).first()
+            if op is None:
+                tomb = conn.execute(
+                    sa.select(schema.tombstones.c.expired_at).where(
+                        schema.tombstones.c.tenant == tenant,
+                        schema.tombstones.c.operation_id == operation_id,
+                    )
+                ).first()
+                if tomb is not None:
+                    raise errors.OperationExpired(tenant, operation_id, same_arguments=True)
+                raise errors.OperationNotFound(tenant, operation_id)
+            effects = conn.execute(
+                sa.select(out)
+                .where(out.c.tenant == tenant, out.c.operation_id == operation_id)
+                .order_by(out.c.id)
+            ).all()
+        return {
+            "operation_id": op.operation_id,
+            "tool": op.tool,
+            "payload_version": op.payload_version,
+            "status_code": op.status_code,
+            "receipt": json.loads(op.receipt),
+            "task_id": op.task_id,
+            "created_at": op.created_at.isoformat(),
+            "expires_at": op.expires_at.isoformat(),
+            "effects": [effect_view(e) for e in effects],
+        }
+
+    def get_task(self, tenant: str, task_id: int) -> dict[str, Any]:
+        t = schema.tasks
+        with db.read(self.engine) as conn:
+            row = conn.execute(sa.select(t).where(t.c.tenant == tenant, t.c.id == task_id)).first()
+        if row is None:
+            raise errors.TaskNotFound(tenant, task_id)
+        return {
+            "id": row.id,
+            "subject": row.subject,
+            "body": row.body,
+            "priority": row.priority,
+            "status": row.status,
+            "operation_id": row.operation_id,
+            "created_at": row.created_at.isoformat(),
+            "updated_at": row.updated_at.isoformat(),
+        }
+
+    # --- tenants and tokens --------------------------------------------------
+
+    def create_tenant(self, name: str) -> str:
+        if not TENANT_NAME.match(name):
+            raise errors.InvalidArguments(
+                [
+                    {
+                        "field": "name",
+                        "message": "1-64 characters: lowercase letters, digits, '_', '.', '-', "
+                        "starting with a letter or digit",
+                    }
+                ]
+            )
+        try:
+            with db.write(self.engine) as conn:
+                conn.execute(sa.insert(schema.tenants), {"id": name, "created_at": self.clock()})
+        except exc.IntegrityError:
+            pass  # already there: creating a tenant is safe to repeat
+        return name
+
+    def tenant_exists(self, name: str) -> bool:
+        with db.read(self.engine) as conn:
+            return (
+                conn.execute(
+                    sa.select(schema.tenants.c.id).where(schema.tenants.c.id == name)
+                ).first()
+                is not None
+            )
+
+    def create_token(self, tenant: str, role: states.Role | str, label: str = "") -> str:
+        """Mint a token; only its SHA-256 is stored, so this is the one time it is seen."""
+        role = states.Role(role)
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        try:
+            with db.write(self.engine) as conn:
+                conn.execute(
+                    sa.insert(schema.api_tokens),
+                    {
+                        "token_sha256": hash_token(token),
+                        "tenant": tenant,
+                        "role": role,
+                        "label": label,
+                        "created_at": self.clock(),
+                    },
+                )
+        except exc.IntegrityError as error:
+            raise errors.UnknownTenant(tenant) from error
+        return token
+
+    def revoke_token(self, token: str) -> bool:
+        t = schema.api_tokens
+        with db.write(self.engine) as conn:
+            result = conn.execute(
+                sa.update(t)
+                .where(t.c.token_sha256 == hash_token(token), t.c.revoked_at.is_(None))
+                .values(revoked_at=self.clock())
+            )
+        return result.rowcount > 0
+
+    def authenticate(self, token: str | None) -> Principal | None:
+        """The token's tenant and role, or None if missing, unknown or revoked."""
+        if not token:
+            return None
+        digest = hash_token(token)
+        t = schema.api_tokens
+        with db.read(self.engine) as conn:
+            row = conn.execute(
+                sa.select(t.c.id, t.c.token_sha256, t.c.tenant, t.c.role, t.c.revoked_at).where(
+                    t.c.token_sha256 == digest
+                )
+            ).first()
+        if row is None or not hmac.compare_digest(row.token_sha256, digest):
+            return None
+        if row.revoked_at is not None:
+            return None
+        return Principal(tenant=row.tenant, role=states.Role(row.role), token_id=row.id)
+
+    # --- retention -----------------------------------------------------------
+
+    def prune(self, now: datetime | None = None) -> retention.PruneResult:
+        return retention.prune(
+            self.engine,
+            now=now or self.clock(),
+            tombstone_retention=self.settings.tombstone_retention,
+        )
+
+
+def effect_view(row: Any) -> dict[str, Any]:
+    """One effect as callers see it (no payload, no lease internals)."""
+    return {
+        "id": row.id,
+        "effect": row.effect,
+        "adapter": row.adapter,
+        "status": row.status,
+        "reason": row.reason,
+        "attempts": row.attempts,
+        "provider_ref": row.provider_ref,
+        "last_error": row.last_error,
+        "awaiting_review": bool(row.needs_review),
+        "next_attempt_at": row.next_attempt_at.isoformat() if row.next_attempt_at else None,
+        "deadline_at": row.deadline_at.isoformat(),
+        "finished_at": row.finished_at.isoformat() if row.finished_at else None,
+    }

@@ -1,0 +1,144 @@
+"""Settings: one frozen object read from ``OUTBOX_*`` environment variables.
+
+Every value has a default, so with no configuration at all Outbox runs on a
+SQLite file at ``var/outbox.db`` below the working directory. Durations accept
+``90s``, ``15m``, ``12h``, ``30d``, plain seconds, or ISO 8601 (``P30D``).
+``validate()`` names the field and the bound it broke.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from outbox import errors
+
+DATABASE_URL_DEFAULT = "sqlite:///var/outbox.db"
+RETENTION_DEFAULT = timedelta(days=30)
+TOMBSTONE_RETENTION_DEFAULT = timedelta(days=365)
+BUSY_TIMEOUT_DEFAULT = timedelta(seconds=5)
+LEASE_DURATION_DEFAULT = timedelta(seconds=60)
+EFFECT_DEADLINE_DEFAULT = timedelta(minutes=15)
+POLL_INTERVAL_DEFAULT = timedelta(seconds=1)
+MAX_ATTEMPTS_DEFAULT = 20
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+
+
+def parse_duration(value: Any) -> Any:
+    """``"15m"`` -> ``timedelta(minutes=15)``; anything else is left to pydantic."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+class Settings(BaseSettings):
+    """Everything a process of Outbox can be told. Read once, then frozen."""
+
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", frozen=True, extra="ignore")
+
+    # Where the records live. SQLite by default; postgresql://... for several hosts.
+    database_url: str = DATABASE_URL_DEFAULT
+    # SQLite only: FULL survives power loss; NORMAL (in WAL) survives a crash of the
+    # process but may lose the last commits on power loss. Default: FULL.
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    # How long a write waits for the database lock before answering Busy.
+    busy_timeout: Duration = BUSY_TIMEOUT_DEFAULT
+    # Receipts are kept this long, then turned into tombstones (key and digest only).
+    retention: Duration = RETENTION_DEFAULT
+    # Tombstones are kept this long after that, answering "expired: reconcile".
+    tombstone_retention: Duration = TOMBSTONE_RETENTION_DEFAULT
+
+    # Path of the adapters TOML file; unset: one `helpdesk` adapter at 127.0.0.1:9000.
+    adapters: str | None = None
+
+    # Dispatcher.
+    lease_duration: Duration = LEASE_DURATION_DEFAULT
+    lease_renew_interval: Duration = timedelta(seconds=20)
+    poll_interval: Duration = POLL_INTERVAL_DEFAULT
+    claim_batch_size: int = Field(default=100, ge=1, le=10_000)
+    concurrency: int = Field(default=8, ge=1, le=1024)
+    effect_deadline: Duration = EFFECT_DEADLINE_DEFAULT
+    max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=1000)
+    backoff_initial: Duration = timedelta(seconds=0.5)
+    backoff_max: Duration = timedelta(minutes=5)
+    # Retries may be at most this fraction of first attempts over the window.
+    retry_budget_ratio: float = Field(default=0.5, ge=0.0, le=100.0)
+    retry_budget_window: Duration = timedelta(seconds=60)
+    retry_budget_min_per_window: int = Field(default=10, ge=0)
+    breaker_failure_threshold: int = Field(default=5, ge=1)
+    breaker_cooldown: Duration = timedelta(seconds=5)
+    breaker_cooldown_max: Duration = timedelta(minutes=2)
+    shutdown_grace: Duration = timedelta(seconds=10)
+
+    # Reconciler.
+    sweep_interval: Duration = timedelta(seconds=5)
+    lookup_max_tries: int = Field(default=5, ge=1)
+    lookup_backoff: Duration = timedelta(seconds=10)
+    retention_interval: Duration = timedelta(minutes=10)
+
+    # Processes.
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    # 0: no metrics port for the dispatcher / reconciler.
+    dispatcher_metrics_port: int = Field(default=0, ge=0, le=65535)
+    reconciler_metrics_port: int = Field(default=0, ge=0, le=65535)
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Console session cookies: Secure flag (turn on behind HTTPS).
+    console_secure_cookies: bool = False
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Settings:
+        self.validate_bounds()
+        return self
+
+    def validate_bounds(self) -> None:
+        """Refuse combinations that would break a guarantee; name the field and the bound."""
+        if self.lease_renew_interval * 3 > self.lease_duration:
+            raise errors.ConfigError(
+                f"OUTBOX_LEASE_RENEW_INTERVAL ({self.lease_renew_interval.total_seconds():g}s) "
+                "must be at most a third of OUTBOX_LEASE_DURATION "
+                f"({self.lease_duration.total_seconds():g}s), so a slow delivery is renewed "
+                "before another worker may take it"
+            )
+        if self.backoff_initial > self.backoff_max:
+            raise errors.ConfigError(
+                "OUTBOX_BACKOFF_INITIAL cannot be longer than OUTBOX_BACKOFF_MAX "
+                f"({self.backoff_max.total_seconds():g}s)"
+            )
+        if self.tombstone_retention < self.retention:
+            raise errors.ConfigError(
+                "OUTBOX_TOMBSTONE_RETENTION cannot be shorter than OUTBOX_RETENTION "
+                f"({self.retention.total_seconds():g}s): a late retry must meet the tombstone"
+            )
+        for name in ("busy_timeout", "lease_duration", "poll_interval", "effect_deadline"):
+            if getattr(self, name) <= timedelta(0):
+                raise errors.ConfigError(f"OUTBOX_{name.upper()} must be positive")
+        if self.breaker_cooldown > self.breaker_cooldown_max:
+            raise errors.ConfigError(
+                "OUTBOX_BREAKER_COOLDOWN cannot be longer than OUTBOX_BREAKER_COOLDOWN_MAX"
+            )
+
+
+def load(**overrides: Any) -> Settings:
+    """Read the environment (and explicit overrides) into a frozen ``Settings``."""
+    try:
+        return Settings(**overrides)
+    except errors.ConfigError:
+        raise
+    except Exception as exc:  # pydantic.ValidationError: say which variable to fix
+        raise errors.ConfigError(f"invalid OUTBOX_* setting: {exc}") from exc

@@ -1,0 +1,168 @@
+"""The tool registry, and the bundled tool ``create_support_task``.
+
+A tool is a name, a payload version, a pydantic model of its arguments, and a
+handler. The handler runs *inside* the creating transaction: it writes the
+local rows on the connection it is given and returns the receipt and the
+effects to enqueue. It must not talk to the outside world: that is what the
+effects are for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from sqlalchemy.engine import Connection
+
+from outbox import errors, schema
+
+
+@dataclass(frozen=True, slots=True)
+class EffectSpec:
+    """One external effect to enqueue: delivered later by the named adapter."""
+
+    effect: str
+    adapter: str
+    payload: Mapping[str, Any]
+    deadline: timedelta | None = None  # None: the adapter's / the settings' default
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    conn: Connection
+    tenant: str
+    operation_id: str
+    now: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    receipt: Mapping[str, Any]
+    effects: list[EffectSpec] = field(default_factory=list)
+    task_id: int | None = None
+
+
+Handler = Callable[[ToolContext, Any], ToolOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    payload_version: int
+    arguments: type[BaseModel]
+    handler: Handler
+    description: str = ""
+
+    def validate(self, arguments: Any) -> BaseModel:
+        """Validate and normalise; raise ``InvalidArguments`` naming every bad field."""
+        if not isinstance(arguments, Mapping):
+            raise errors.InvalidArguments(
+                [{"field": "", "message": "the arguments must be a JSON object"}]
+            )
+        try:
+            return self.arguments.model_validate(dict(arguments))
+        except ValidationError as exc:
+            raise errors.InvalidArguments(_field_errors(exc)) from None
+
+
+def _field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    out = []
+    for err in exc.errors(include_url=False, include_input=False):
+        loc = ".".join(str(part) for part in err["loc"])
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown field; remove it"
+        out.append({"field": loc, "message": message, "type": err["type"]})
+    return out
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._tools: dict[str, Tool] = {}
+
+    def register(self, tool: Tool) -> Tool:
+        if tool.name in self._tools:
+            raise ValueError(f"a tool named {tool.name!r} is already registered")
+        self._tools[tool.name] = tool
+        return tool
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise errors.UnknownTool(name, list(self._tools)) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+
+# --- create_support_task, version 1 -----------------------------------------
+
+
+class SupportTaskArgs(BaseModel):
+    """Arguments of ``create_support_task`` v1. Unknown fields are refused, types are strict."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    subject: str = Field(min_length=1, max_length=200)
+    body: str = Field(default="", max_length=10_000)
+    priority: Literal["low", "normal", "high"] = "normal"
+    helpdesk: bool = True
+
+    @field_validator("subject", mode="before")
+    @classmethod
+    def _strip(cls, value: Any) -> Any:
+        return value.strip() if isinstance(value, str) else value
+
+
+HELPDESK_ADAPTER = "helpdesk"
+OPEN_TICKET_EFFECT = "open_ticket"
+
+
+def create_support_task(ctx: ToolContext, args: SupportTaskArgs) -> ToolOutput:
+    task_id = ctx.conn.execute(
+        sa.insert(schema.tasks).returning(schema.tasks.c.id),
+        {
+            "tenant": ctx.tenant,
+            "subject": args.subject,
+            "body": args.body,
+            "priority": args.priority,
+            "status": "open",
+            "operation_id": ctx.operation_id,
+            "created_at": ctx.now,
+            "updated_at": ctx.now,
+        },
+    ).scalar_one()
+    effects = []
+    if args.helpdesk:
+        effects.append(
+            EffectSpec(
+                effect=OPEN_TICKET_EFFECT,
+                adapter=HELPDESK_ADAPTER,
+                payload={"subject": args.subject, "body": args.body, "priority": args.priority},
+            )
+        )
+    receipt = {"operation_id": ctx.operation_id, "status": "created", "task_id": task_id}
+    return ToolOutput(receipt=receipt, effects=effects, task_id=task_id)
+
+
+SUPPORT_TASK = Tool(
+    name="create_support_task",
+    payload_version=1,
+    arguments=SupportTaskArgs,
+    handler=create_support_task,
+    description="Create a local support task and open a ticket at the helpdesk.",
+)
+
+
+def default_registry() -> Registry:
+    registry = Registry()
+    registry.register(SUPPORT_TASK)
+    return registry
