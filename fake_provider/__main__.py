@@ -1,0 +1,224 @@
+"""``fake-provider serve ...``: run the fake helpdesk on uvicorn until SIGTERM or SIGINT.
+
+Also reachable as ``python -m fake_provider serve ...``. Every flag maps to one
+field of :class:`fake_provider.config.ProviderConfig`; the fault flags build
+the start-up :class:`fake_provider.faults.FaultSpec` (``POST /_admin/faults``
+changes it at run time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from fake_provider import app as app_
+from fake_provider import config, faults
+
+HOST_DEFAULT = "127.0.0.1"
+PORT_DEFAULT = 9000
+# Bounded, so a held reply (drop "hold", timeout_before_commit) cannot keep a
+# SIGTERM waiting for the full hold.
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fake-provider",
+        description=(
+            "A fake helpdesk provider over HTTP: honours or ignores idempotency keys, "
+            "keeps a ledger of every ticket, and injects reproducible faults."
+        ),
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the provider until SIGTERM/SIGINT",
+        description="Serve the provider until SIGTERM/SIGINT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--host", default=HOST_DEFAULT, help="address to bind")
+    serve.add_argument("--port", type=int, default=PORT_DEFAULT, help="port to bind")
+    serve.add_argument(
+        "--mode",
+        choices=[mode.value for mode in config.Mode],
+        default=config.Mode.HONOUR.value,
+        help="honour: deduplicate by Idempotency-Key; ignore: every POST creates a ticket",
+    )
+    serve.add_argument(
+        "--no-lookup",
+        dest="lookup_enabled",
+        action="store_false",
+        help="GET /v1/tickets?client_reference=...|idempotency_key=... answers 501",
+    )
+    serve.add_argument(
+        "--lookup-lag-ms",
+        type=int,
+        default=config.LOOKUP_LAG_MS_DEFAULT,
+        help="a new ticket is invisible to lookups for this long",
+    )
+    serve.add_argument(
+        "--key-retention-seconds",
+        type=float,
+        default=config.KEY_RETENTION_SECONDS_DEFAULT,
+        help="how long honour mode remembers an idempotency key",
+    )
+    serve.add_argument(
+        "--db", default=None, metavar="PATH", help="SQLite file (default: in memory)"
+    )
+    serve.add_argument(
+        "--seed", type=int, default=None, help="fault RNG seed (default: random, reported)"
+    )
+    serve.add_argument(
+        "--rate",
+        action="append",
+        default=[],
+        metavar="OUTCOME=P",
+        help="probability of an outcome per POST /v1/tickets; repeatable "
+        f"(outcomes: {', '.join(o.value for o in faults.Outcome if o is not faults.Outcome.OK)})",
+    )
+    serve.add_argument(
+        "--script",
+        default="",
+        metavar="O1,O2,...",
+        help="outcomes for the next POSTs, in order, before the rates apply",
+    )
+    serve.add_argument(
+        "--latency-ms",
+        default="0",
+        metavar="MIN[:MAX]",
+        help="latency added to each POST /v1/tickets, uniform in [MIN, MAX]",
+    )
+    serve.add_argument(
+        "--drop-mode",
+        choices=[mode.value for mode in config.DropMode],
+        default=config.DropMode.ABORT.value,
+        help="drop_after_commit: abort the connection, or hold the reply for --hold-seconds",
+    )
+    serve.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=config.HOLD_SECONDS_DEFAULT,
+        help="how long a held reply (drop hold, timeout_before_commit) waits",
+    )
+    serve.add_argument(
+        "--retry-after",
+        type=int,
+        default=config.RETRY_AFTER_SECONDS_DEFAULT,
+        metavar="SECONDS",
+        help="Retry-After sent with 429 and 503",
+    )
+    serve.add_argument(
+        "--retry-after-format",
+        choices=[fmt.value for fmt in config.RetryAfterFormat],
+        default=config.RetryAfterFormat.SECONDS.value,
+        help="spell Retry-After as delay-seconds or as an HTTP-date",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="info",
+        help="uvicorn log level",
+    )
+    return parser
+
+
+def parse_fault_spec(rates: Sequence[str], script: str, latency: str) -> faults.FaultSpec:
+    """Build the start-up fault plan from ``--rate``, ``--script`` and ``--latency-ms``."""
+    parsed_rates: dict[str, float] = {}
+    for item in rates:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise faults.FaultSpecError(f"--rate {item!r}: expected OUTCOME=P")
+        try:
+            parsed_rates[name.strip()] = float(value)
+        except ValueError:
+            raise faults.FaultSpecError(f"--rate {item!r}: {value!r} is not a number") from None
+    names = [name.strip() for name in script.split(",") if name.strip()]
+    low_text, _, high_text = latency.partition(":")
+    try:
+        low = int(low_text)
+        high = int(high_text) if high_text else low
+    except ValueError:
+        raise faults.FaultSpecError(f"--latency-ms {latency!r}: expected MIN[:MAX]") from None
+    return faults.FaultSpec.from_json(
+        {"rates": parsed_rates, "script": names, "latency_ms": {"min": low, "max": high}}
+    )
+
+
+class _QuietDrops(logging.Filter):
+    """Log an injected dropped connection as one line, not as a crash traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, app_.ConnectionDropped):
+            record.msg = "%s (injected drop_after_commit)"
+            record.args = (exc,)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        spec = parse_fault_spec(args.rate, args.script, args.latency_ms)
+        cfg = config.ProviderConfig(
+            mode=config.Mode(args.mode),
+            lookup_enabled=args.lookup_enabled,
+            lookup_lag_ms=args.lookup_lag_ms,
+            key_retention_seconds=args.key_retention_seconds,
+            db_path=args.db,
+            seed=args.seed,
+            faults=spec,
+            drop_mode=config.DropMode(args.drop_mode),
+            hold_seconds=args.hold_seconds,
+            retry_after_seconds=args.retry_after,
+            retry_after_format=config.RetryAfterFormat(args.retry_after_format),
+        )
+        app = app_.create_app(cfg)
+    except (faults.FaultSpecError, config.ConfigError) as exc:
+        print(f"fake-provider: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"fake-provider: mode={cfg.mode.value} lookup={'on' if cfg.lookup_enabled else 'off'} "
+        f"db={cfg.db_path or ':memory:'} seed={app.state.faults.seed} "
+        f"on http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+    )
+    logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
+    try:
+        # uvicorn installs SIGTERM/SIGINT handlers: it stops accepting, lets
+        # requests in flight finish (bounded above), then returns here.
+        server.run()
+    finally:
+        app.state.ledger.close()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fake-provider`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
