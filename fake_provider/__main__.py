@@ -9,9 +9,12 @@ changes it at run time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -163,6 +166,29 @@ class _QuietDrops(logging.Filter):
         return True
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, except that a stop signal ends in a normal return.
+
+    uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which kills
+    the process before the store is closed (SIGTERM) or ends it with a
+    KeyboardInterrupt traceback (SIGINT). A supervisor asking us to stop
+    should see a clean exit 0 once everything is released.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        stop_signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {signum: signal.signal(signum, self.handle_exit) for signum in stop_signals}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         spec = parse_fault_spec(args.rate, args.script, args.latency_ms)
@@ -190,7 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=args.host,
@@ -202,8 +228,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
     try:
-        # uvicorn installs SIGTERM/SIGINT handlers: it stops accepting, lets
-        # requests in flight finish (bounded above), then returns here.
+        # On SIGTERM/SIGINT uvicorn stops accepting, lets requests in flight
+        # finish (bounded above), then returns here.
         server.run()
     finally:
         app.state.ledger.close()
