@@ -39,7 +39,7 @@ OPERATION_ID = re.compile(r"^[\x21-\x7e]{1,255}$")
 CREATED_STATUS = 201
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ExecuteResult:
     """What ``execute`` did. ``receipt_json`` is the exact stored body."""
 

@@ -66,9 +66,7 @@ def _sqlite_engine(parsed: sa.URL, settings: Settings, busy: float, **kwargs: An
     engine = sa.create_engine(
         parsed,
         connect_args={"timeout": busy, "check_same_thread": False},
-        pool_size=kwargs.pop("pool_size", 16),
-        max_overflow=kwargs.pop("max_overflow", 16),
-        **kwargs,
+        **_pool_options(kwargs),
     )
     synchronous = settings.sqlite_synchronous
     busy_ms = int(busy * 1000)
@@ -97,11 +95,17 @@ def _postgres_engine(parsed: sa.URL, busy: float, **kwargs: Any) -> Engine:
     return sa.create_engine(
         parsed,
         connect_args={"options": options, "application_name": "outbox"},
-        pool_size=kwargs.pop("pool_size", 16),
-        max_overflow=kwargs.pop("max_overflow", 16),
         pool_pre_ping=kwargs.pop("pool_pre_ping", True),
-        **kwargs,
+        **_pool_options(kwargs),
     )
+
+
+def _pool_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Room for a dispatcher's threads; no sizes when the caller picked a pool class."""
+    if "poolclass" not in kwargs:
+        kwargs.setdefault("pool_size", 16)
+        kwargs.setdefault("max_overflow", 16)
+    return kwargs
 
 
 @contextlib.contextmanager

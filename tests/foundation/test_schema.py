@@ -1,0 +1,155 @@
+"""The database itself refuses illegal rows, and the schema guard refuses stale schemas."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from outbox import Outbox, db, errors, schema, settings
+
+
+@pytest.fixture
+def effect_id(box: Outbox) -> int:
+    box.execute("acme", "op-1", "create_support_task", {"subject": "s"})
+    with db.read(box.engine) as conn:
+        return int(conn.execute(sa.select(schema.outbox.c.id)).scalar_one())
+
+
+def _update(box: Outbox, effect_id: int, **values) -> None:
+    with db.write(box.engine) as conn:
+        conn.execute(
+            sa.update(schema.outbox).where(schema.outbox.c.id == effect_id).values(**values)
+        )
+
+
+def test_effect_key_update_is_refused_by_the_database(box: Outbox, effect_id: int):
+    with pytest.raises(sa.exc.DBAPIError, match="effect_key is immutable"):
+        _update(box, effect_id, effect_key="obx_minted_again")
+    # Through raw SQL too: the trigger, not Python, is the guard.
+    with (
+        pytest.raises(sa.exc.DBAPIError, match="effect_key is immutable"),
+        db.write(box.engine) as conn,
+    ):
+        conn.exec_driver_sql("UPDATE outbox SET effect_key = 'x'")
+
+
+def test_same_effect_key_write_is_allowed(box: Outbox, effect_id: int):
+    with db.read(box.engine) as conn:
+        key = conn.execute(sa.select(schema.outbox.c.effect_key)).scalar_one()
+    _update(box, effect_id, effect_key=key)  # a no-op update of the column is harmless
+
+
+@pytest.mark.parametrize(
+    ("values", "constraint"),
+    [
+        ({"status": "exploded"}, "ck_outbox_status"),
+        ({"status": "succeeded", "provider_ref": "T-1"}, "terminal_has_finished_at"),
+        ({"status": "failed"}, "terminal_has_finished_at"),
+        ({"status": "in_flight"}, "in_flight_has_lease"),
+        ({"needs_review": True}, "review_only_when_unknown"),
+        ({"attempts": -1}, "counts_not_negative"),
+    ],
+)
+def test_illegal_rows_are_refused_by_the_database(box: Outbox, effect_id: int, values, constraint):
+    with pytest.raises(sa.exc.IntegrityError, match=constraint), db.write(box.engine) as conn:
+        # Raw SQL: bypass the enum validation SQLAlchemy would do in Python.
+        sets = ", ".join(f"{k} = :{k}" for k in values)
+        conn.execute(
+            sa.text(f"UPDATE outbox SET {sets} WHERE id = :id"), {**values, "id": effect_id}
+        )
+
+
+def test_succeeded_needs_a_provider_ref(box: Outbox, effect_id: int, clock):
+    with pytest.raises(sa.exc.IntegrityError, match="succeeded_has_provider_ref"):
+        _update(box, effect_id, status="succeeded", finished_at=clock())
+    _update(box, effect_id, status="succeeded", finished_at=clock(), provider_ref="T-1")
+
+
+def test_migrated_schema_matches_the_code(db_url):
+    engine = db.create_engine(settings.load(), url=db_url)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), schema.metadata)
+        assert diff == []
+    finally:
+        engine.dispose()
+
+
+def test_migrations_from_empty_and_twice(tmp_path):
+    engine = db.create_engine(settings.load(), url=f"sqlite:///{tmp_path / 'fresh.db'}")
+    try:
+        assert db.current_revision(engine) is None
+        with pytest.raises(errors.SchemaNotCurrent, match="outbox db upgrade"):
+            db.check_schema(engine)
+        assert db.upgrade(engine) == (None, db.head_revision())
+        assert db.upgrade(engine) == (db.head_revision(), db.head_revision())
+        db.check_schema(engine)
+    finally:
+        engine.dispose()
+
+
+def test_a_schema_newer_than_the_code_is_refused(db_url):
+    engine = db.create_engine(settings.load(), url=db_url)
+    try:
+        with db.write(engine) as conn:
+            conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999_future'")
+        with pytest.raises(errors.SchemaTooNew, match="newer release"):
+            Outbox(db_url)
+    finally:
+        engine.dispose()
+
+
+def test_unmigrated_database_is_refused_with_what_to_run(tmp_path):
+    with pytest.raises(errors.SchemaNotCurrent, match="run `outbox db upgrade`"):
+        Outbox(f"sqlite:///{tmp_path / 'empty.db'}")
+
+
+def test_sqlite_pragmas(tmp_path):
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    engine = db.create_engine(settings.load(sqlite_synchronous="NORMAL"), url=url)
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    finally:
+        engine.dispose()
+
+
+def test_in_memory_sqlite_is_refused_with_a_reason():
+    with pytest.raises(errors.ConfigError, match="in-memory"):
+        db.create_engine(settings.load(), url="sqlite://")
+
+
+def test_settings_bounds_name_the_field():
+    with pytest.raises(errors.ConfigError, match="OUTBOX_LEASE_RENEW_INTERVAL"):
+        settings.load(lease_duration="30s", lease_renew_interval="15s")
+    with pytest.raises(errors.ConfigError, match="OUTBOX_TOMBSTONE_RETENTION"):
+        settings.load(retention="30d", tombstone_retention="1d")
+    assert settings.load(retention="2h").retention == timedelta(hours=2)
+    assert settings.load(retention="P3D").retention == timedelta(days=3)
+
+
+def test_busy_when_the_lock_outlives_the_busy_timeout(tmp_path):
+    url = f"sqlite:///{tmp_path / 'busy.db'}"
+    engine = db.create_engine(settings.load(), url=url)
+    db.upgrade(engine)
+    engine.dispose()
+    quick = settings.load(busy_timeout="0.2s")
+    with Outbox(url, config=quick) as box:
+        box.create_tenant("acme")
+        holder = db.create_engine(quick, url=url)
+        try:
+            with db.write(holder):
+                with pytest.raises(errors.Busy) as caught:
+                    box.execute("acme", "op-1", "create_support_task", {"subject": "s"})
+                assert caught.value.retry == "same_key"
+        finally:
+            holder.dispose()
+        # The same key goes through once the lock is free.
+        assert box.execute("acme", "op-1", "create_support_task", {"subject": "s"}).created
