@@ -1,0 +1,108 @@
+"""The HTTP API: ``create_app(box)`` and the ``outbox serve`` command.
+
+    from outbox import Outbox
+    from outbox.api import create_app
+    app = create_app(Outbox())          # any ASGI server; `outbox serve` runs uvicorn
+
+Routes of packages above ``outbox`` (the review queue) are mounted from the
+``outbox.routers`` entry point group, so ``outbox`` never imports them. Their
+errors render like ours: raise an ``OutboxError`` and ``problems`` answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import signal
+from collections.abc import Iterable
+from types import FrameType
+
+import uvicorn
+from fastapi import APIRouter, FastAPI
+
+from outbox.api import limits, problems, routes
+from outbox.service import Outbox
+
+ROUTERS_GROUP = "outbox.routers"
+
+__all__ = ["ROUTERS_GROUP", "cli_options", "cli_serve", "create_app"]
+
+
+def create_app(
+    box: Outbox,
+    *,
+    routers: Iterable[APIRouter] = (),
+    load_entry_points: bool = True,
+    max_body_bytes: int = limits.MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving ``box``. The caller owns ``box`` (and closes it)."""
+    app = FastAPI(
+        title="Outbox",
+        summary="Writes to the outside world that are safe to retry.",
+        version=importlib.metadata.version("outbox-service"),
+        openapi_url="/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.outbox = box
+    problems.install(app)
+    app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
+    app.include_router(routes.router)
+    for router in routers:
+        app.include_router(router)
+    if load_entry_points:
+        for entry in importlib.metadata.entry_points(group=ROUTERS_GROUP):
+            for router in entry.load()():
+                app.include_router(router)
+    return app
+
+
+# --- outbox serve ------------------------------------------------------------------
+
+
+def cli_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default=None, help="address to listen on (default: OUTBOX_API_HOST or 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="port (default: OUTBOX_API_PORT or 8000)"
+    )
+
+
+def cli_serve(args: argparse.Namespace) -> int:
+    from outbox import settings
+
+    config = settings.load()
+    host = args.host or config.api_host
+    port = config.api_port if args.port is None else args.port
+    box = Outbox(getattr(args, "database_url", None), config=config)
+    try:
+        server = Server(
+            uvicorn.Config(
+                create_app(box),
+                host=host,
+                port=port,
+                log_level=config.log_level.lower(),
+                proxy_headers=False,
+                server_header=False,
+            )
+        )
+        server.run()
+    finally:
+        box.close()
+    return 0
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, minus its re-raise of the stop signal after a graceful shutdown.
+
+    uvicorn finishes in-flight requests on SIGTERM/SIGINT and then raises the
+    signal again, which kills the process (status 143) before the engine is
+    disposed: a clean stop would look like a crash to a supervisor.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open requests
+        else:
+            self.should_exit = True

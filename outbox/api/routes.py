@@ -1,0 +1,248 @@
+"""The tool boundary over HTTP: ``POST /v1/tools/{tool}``, ``POST /v1/tasks`` and the reads.
+
+Order of checks on a write, each before the next is looked at:
+authentication (the tenant comes from the token) -> ``Idempotency-Key`` ->
+tool name -> content type -> body (at most 64 KiB, UTF-8 JSON) -> the create
+path. A replay goes through every one of them too, so a key never works as a
+credential, and a malformed retry is refused before any lookup.
+
+A created or replayed answer is the stored receipt, byte for byte, with the
+status of the first reply; ``Idempotent-Replayed`` says which it is.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from outbox import create, db, errors, tools
+from outbox.api import auth, problems
+from outbox.create import ExecuteResult
+from outbox.service import Outbox, Principal
+
+SUPPORT_TASK_TOOL = tools.SUPPORT_TASK.name
+MAX_TASK_ID = 2**63 - 1  # BIGINT: a larger id cannot exist, and PostgreSQL would refuse it
+
+router = APIRouter()
+
+Box = Annotated[Outbox, Depends(auth.get_box)]
+Caller = Annotated[Principal, Depends(auth.require_principal)]
+
+RECEIPT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "The tool's receipt, exactly as stored at creation.",
+    "additionalProperties": True,
+}
+_IDEMPOTENCY_KEY_PARAMETER = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": True,
+    "description": "The operation id: 1-255 visible ASCII characters, chosen by the caller "
+    "and reused, unchanged, for every retry of one intent.",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
+}
+_WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    201: {
+        "description": "Created; or a replay of it (header `Idempotent-Replayed: true`).",
+        "content": {"application/json": {"schema": RECEIPT_SCHEMA}},
+    },
+    **problems.responses(400, 401, 404, 410, 413, 415, 422, 503),
+}
+
+
+def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
+    # The body is read by hand (bounded, exact error answers), so describe it here.
+    return {
+        "parameters": [_IDEMPOTENCY_KEY_PARAMETER],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": arguments_schema}},
+        },
+    }
+
+
+# --- the write path -------------------------------------------------------------------
+
+
+@router.post(
+    "/v1/tools/{tool}",
+    status_code=201,
+    summary="Call a tool, idempotently on Idempotency-Key",
+    responses=_WRITE_RESPONSES,
+    openapi_extra=_write_openapi({"type": "object", "description": "The tool's arguments."}),
+)
+async def call_tool(tool: str, request: Request, principal: Caller, box: Box) -> Response:
+    return await _execute(request, principal, box, tool)
+
+
+@router.post(
+    "/v1/tasks",
+    status_code=201,
+    summary="Create a support task (the tool create_support_task)",
+    responses=_WRITE_RESPONSES,
+    openapi_extra=_write_openapi(tools.SupportTaskArgs.model_json_schema()),
+)
+async def create_task(request: Request, principal: Caller, box: Box) -> Response:
+    return await _execute(request, principal, box, SUPPORT_TASK_TOOL)
+
+
+async def _execute(request: Request, principal: Principal, box: Outbox, tool: str) -> Response:
+    operation_id = idempotency_key(request)
+    box.tools.get(tool)  # UnknownTool (404) before the body is read
+    require_json(request)
+    arguments = parse_json(await request.body())
+    # The create path is synchronous database work: keep it off the event loop.
+    result = await run_in_threadpool(box.execute, principal.tenant, operation_id, tool, arguments)
+    return receipt_response(result)
+
+
+def idempotency_key(request: Request) -> str:
+    values = request.headers.getlist("idempotency-key")
+    if not values:
+        raise errors.InvalidOperationId(
+            "the Idempotency-Key header is required: choose an operation id for this intent "
+            "and send the same one with every retry"
+        )
+    if len(values) > 1:
+        raise errors.InvalidOperationId("send exactly one Idempotency-Key header")
+    return create.validate_operation_id(values[0])
+
+
+def require_json(request: Request) -> None:
+    media, _, params = request.headers.get("content-type", "").partition(";")
+    if media.strip().lower() != "application/json":
+        raise problems.UnsupportedMediaType()
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            raise problems.UnsupportedMediaType("JSON bodies must be UTF-8 (charset=utf-8)")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict UTF-8 JSON; every way it can fail is a 400 (never a 500)."""
+    try:
+        text = body.decode("utf-8")
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as exc:
+        raise problems.MalformedRequest(
+            f"the body is not valid UTF-8 (byte {exc.start}); nothing was stored"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise problems.MalformedRequest(
+            f"the body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            "nothing was stored"
+        ) from None
+    except RecursionError:
+        raise problems.MalformedRequest(
+            "the JSON is nested too deeply; nothing was stored"
+        ) from None
+    except ValueError as exc:  # NaN/Infinity, integers past Python's digit limit
+        raise problems.MalformedRequest(f"the body is not valid JSON ({exc})") from None
+    bad = _unstorable_text(value)
+    if bad:
+        raise errors.InvalidArguments(bad)
+    return value
+
+
+def _unstorable_text(value: Any, path: str = "") -> list[dict[str, Any]]:
+    """Fields no database stores faithfully: NUL (PostgreSQL text refuses it) and lone surrogates
+    (not encodable as UTF-8). Caught here, they are a 422; caught by the driver, a 500."""
+    out: list[dict[str, Any]] = []
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack and len(out) < 20:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item or any("\ud800" <= ch <= "\udfff" for ch in item):
+                out.append(
+                    {
+                        "field": where,
+                        "message": "text must not contain NUL characters or unpaired surrogates",
+                        "type": "string_unstorable",
+                    }
+                )
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((f"{where}.{key}" if where else str(key), key))
+                stack.append((f"{where}.{key}" if where else str(key), child))
+        elif isinstance(item, list):
+            stack.extend(
+                (f"{where}.{i}" if where else str(i), child) for i, child in enumerate(item)
+            )
+    return out
+
+
+def receipt_response(result: ExecuteResult) -> Response:
+    # The stored text itself, never a re-serialised dict: a replay must be byte-identical.
+    return Response(
+        content=result.receipt_json.encode("utf-8"),
+        status_code=result.status_code,
+        media_type="application/json",
+        headers={
+            "Idempotent-Replayed": "true" if result.replayed else "false",
+            "Location": "/v1/operations/" + quote(result.operation_id, safe=""),
+        },
+    )
+
+
+# --- reads ----------------------------------------------------------------------------
+
+
+@router.get(
+    "/v1/operations/{operation_id:path}",
+    summary="The receipt, creation time and each effect's current state",
+    responses=problems.responses(400, 401, 404, 410),
+)
+def get_operation(operation_id: str, principal: Caller, box: Box) -> JSONResponse:
+    create.validate_operation_id(operation_id)
+    return JSONResponse(box.get_operation(principal.tenant, operation_id))
+
+
+@router.get(
+    "/v1/tasks/{task_id}",
+    summary="A task as it is now",
+    responses=problems.responses(401, 404, 422),
+)
+def get_task(
+    task_id: Annotated[int, Path(ge=1, le=MAX_TASK_ID)], principal: Caller, box: Box
+) -> JSONResponse:
+    return JSONResponse(box.get_task(principal.tenant, task_id))
+
+
+# --- health -----------------------------------------------------------------------------
+
+
+@router.get("/healthz", summary="The process is up", tags=["health"])
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="The database answers and its schema is current",
+    tags=["health"],
+    responses=problems.responses(503),
+)
+def readyz(box: Box) -> dict[str, str]:
+    try:
+        db.check_schema(box.engine)
+    except errors.OutboxError:
+        raise
+    except (sa_exc.SQLAlchemyError, OSError) as error:
+        # Driver errors carry host names and SQL: log them, answer with a plain 503.
+        problems.log.warning("readiness check failed: %s", error)
+        raise problems.NotReady() from None
+    return {"status": "ready", "schema": db.head_revision()}
