@@ -24,7 +24,8 @@ class _Server(uvicorn.Server):
 @contextmanager
 def serve_in_thread(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Iterator[str]:
     """Serve ``app`` until the block ends; yields its base URL (``http://127.0.0.1:PORT``)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio then sets TCP_NODELAY (about 40 ms less per request).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
