@@ -90,6 +90,12 @@ UNKNOWN_EXCEPTION_RULE = Rule(
 )
 
 SUCCESS_RULE = Rule(Outcome.DELIVERED, True, "the provider did it; the reference is in the body")
+SUCCESS_WITHOUT_REFERENCE_RULE = Rule(
+    _AMBIGUOUS,
+    True,
+    "it happened but cannot be named (reference missing, body unreadable or cut short): "
+    "a resend with the same key replays it, or a lookup finds it",
+)
 
 STATUS_RULES: Mapping[int, Rule] = {
     400: Rule(Outcome.PERMANENT, False, "bad request: nothing happened; fix the payload"),
@@ -192,11 +198,13 @@ def classify_status(
             return DeliveryResult.delivered(None, status_code=status_code)
         ref = extract_reference(body, reference_field)
         if ref is None:
-            return DeliveryResult.delivered(
-                None,
-                status_code=status_code,
-                error=f"HTTP {status_code} without a {reference_field!r} in the body: "
+            # It happened, but we cannot name it. AMBIGUOUS (not DELIVERED without a
+            # reference) sends it down the path that recovers the reference: a
+            # resend with the same key replays it, or a lookup finds it.
+            return DeliveryResult.ambiguous(
+                f"HTTP {status_code} without a readable {reference_field!r} in the body: "
                 f"{body_excerpt(body)}",
+                status_code=status_code,
             )
         return DeliveryResult.delivered(ref, status_code=status_code)
     error = f"HTTP {status_code}: {body_excerpt(body)}".rstrip(": ")
@@ -291,7 +299,10 @@ def table_markdown() -> str:
         "| HTTP status | outcome | may have happened | why |",
         "| --- | --- | --- | --- |",
     ]
-    rows: list[tuple[str, Rule]] = [("2xx", SUCCESS_RULE)]
+    rows: list[tuple[str, Rule]] = [
+        ("2xx", SUCCESS_RULE),
+        ("2xx, no readable reference", SUCCESS_WITHOUT_REFERENCE_RULE),
+    ]
     rows += [(str(code), rule) for code, rule in sorted(STATUS_RULES.items())]
     rows.append(("anything else", FALLBACK_STATUS_RULE))
     for label, rule in rows:

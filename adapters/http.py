@@ -26,6 +26,11 @@ deadline is abandoned: its status is kept and the result says why. One blocking
 read can still overrun the deadline by at most ``min(read_timeout,
 total_timeout)``; that bound is the price of staying on httpx's synchronous API
 without a watchdog thread.
+
+Connections. At most ``max_connections`` requests are in flight per adapter; a
+thread that finds them all busy waits up to ``connect_timeout`` for a slot and
+then gets NOT_SENT (``PoolTimeout``). The slot is taken here, not in httpcore's
+pool, for the reason given in ``_exchange``.
 """
 
 from __future__ import annotations
@@ -220,6 +225,7 @@ class HttpAdapter:
             write=min(config.read_timeout, config.total_timeout),
             pool=min(config.connect_timeout, config.total_timeout),
         )
+        self._slots = threading.BoundedSemaphore(config.max_connections)
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -269,6 +275,13 @@ class HttpAdapter:
             raise PayloadError(
                 f"effect {request.effect_id} has no effect_key", adapter=self.name, effect_key=None
             )
+        if self.config.idempotency_header and not (key.isascii() and key.isprintable()):
+            # Caught here, not by h11 mid-send, where it would look ambiguous.
+            raise PayloadError(
+                f"effect key {key!r} cannot be a header value (printable ASCII only)",
+                adapter=self.name,
+                effect_key=key,
+            )
         if not isinstance(request.payload, Mapping):
             raise PayloadError(
                 f"payload must be a JSON object, not {type(request.payload).__name__}",
@@ -296,7 +309,12 @@ class HttpAdapter:
             raise PayloadError(
                 f"payload is not JSON-serialisable: {exc}", adapter=self.name, effect_key=key
             ) from exc
-        headers = {"Content-Type": "application/json", "Accept": "application/json", **self._auth}
+        headers = {
+            **self.config.headers,
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            **self._auth,
+        }
         if self.config.idempotency_header:
             headers[self.config.idempotency_header] = key
         try:
@@ -330,7 +348,7 @@ class HttpAdapter:
             http_request = self._client.build_request(
                 "GET",
                 url,
-                headers={"Accept": "application/json", **self._auth},
+                headers={**self.config.headers, "Accept": "application/json", **self._auth},
                 timeout=self._timeout,
             )
         except Exception as exc:  # noqa: BLE001 - a lookup never raises for a bad URL
@@ -392,6 +410,24 @@ class HttpAdapter:
     def _exchange(self, http_request: httpx.Request) -> _Reply | DeliveryResult:
         """Send and read the reply within total_timeout; a failed send is classified."""
         deadline = time.monotonic() + self.config.total_timeout
+        # Never queue inside httpcore's pool: with more threads than connections,
+        # httpcore 1.0.9 can close a connection it has just handed to a queued
+        # request (encode/httpcore#1110), which shows up as ReadError (EBADF) or
+        # a hang until the read timeout: false AMBIGUOUS results. Waiting here
+        # instead is bounded like httpx's pool wait, and nothing has been sent.
+        if not self._slots.acquire(timeout=self._timeout.pool or 0.0):
+            return DeliveryResult.not_sent(
+                f"PoolTimeout: all {self.config.max_connections} connections stayed busy "
+                f"for {self._timeout.pool}s"
+            )
+        try:
+            return self._exchange_in_slot(http_request, deadline)
+        finally:
+            self._slots.release()
+
+    def _exchange_in_slot(
+        self, http_request: httpx.Request, deadline: float
+    ) -> _Reply | DeliveryResult:
         try:
             response = self._client.send(http_request, stream=True)
         except Exception as exc:  # noqa: BLE001 - raised once the send began: classify it

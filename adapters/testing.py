@@ -8,11 +8,12 @@ everything at once, for measuring the dispatcher rather than a provider.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
-from adapters.errors import AdapterClosed
+from adapters.errors import AdapterClosed, PayloadError
 from adapters.protocol import (
     Capabilities,
     DeliveryRequest,
@@ -72,6 +73,16 @@ class FakeAdapter:
             self._lookup_script.extend(steps)
 
     def deliver(self, request: DeliveryRequest) -> DeliveryResult:
+        # Refuse what HttpAdapter refuses, before "sending", so tests written
+        # against the fake do not pass with payloads the real adapter rejects.
+        try:
+            json.dumps(dict(request.payload), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(
+                f"payload is not JSON-serialisable: {exc}",
+                adapter=self.name,
+                effect_key=request.effect_key,
+            ) from exc
         with self._lock:
             if self.closed:
                 raise AdapterClosed(self.name)
