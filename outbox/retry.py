@@ -1,0 +1,227 @@
+"""Retry timing, the per-adapter retry budget and the circuit breaker. Pure.
+
+Nothing here does I/O or reads a clock: every function and method takes ``now``
+and, where there is chance, a ``random.Random``. The dispatcher owns one RNG
+(seedable), one ``RetryBudget`` and one ``CircuitBreaker`` per adapter; the state
+*decisions* (retry, stop, outcome_unknown) stay in ``outbox.policy``.
+
+- ``FullJitter``: tenacity's ``wait_exponential`` bound, drawn uniformly from
+  ``[0, min(backoff_max, backoff_initial * 2**(n-1))]`` with an injected RNG
+  ("full jitter": retries of many effects spread out instead of arriving in
+  waves after an outage).
+- ``Backoff.retry_at``: when attempt ``n + 1`` may start; ``Retry-After`` is a
+  floor, never shortened by jitter. The deadline and the attempt cap are applied
+  by ``policy.after_attempt``, which refuses a ``retry_at`` at or past the deadline.
+- ``RetryBudget``: retries may be at most ``ratio`` times the first attempts
+  over a sliding window (with a floor of ``min_per_window``), so a failing
+  provider sees a bounded multiple of normal traffic, not every backlog at once.
+- ``CircuitBreaker``: after ``threshold`` consecutive provider failures the
+  adapter is paused for a cooldown that doubles on each failed probe, up to a
+  maximum; one probe delivery is let through when the cooldown ends.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+import tenacity
+
+# tenacity's wait strategies read only ``attempt_number`` from the call state;
+# one Retrying object serves as the (unused) owner of every state we build.
+_RETRYING = tenacity.Retrying()
+
+
+class FullJitter(tenacity.wait_exponential):
+    """Full-jitter exponential backoff on tenacity's ``wait_exponential``, RNG injected.
+
+    tenacity's own ``wait_random_exponential`` draws from the global ``random``
+    module, which a test cannot seed without touching every other user of it.
+    """
+
+    def __init__(self, initial: float, maximum: float, rng: random.Random) -> None:
+        super().__init__(multiplier=initial, max=maximum, exp_base=2, min=0)
+        self.rng = rng
+
+    def upper_bound(self, attempt_number: int) -> float:
+        """The largest delay attempt ``attempt_number`` may draw (seconds)."""
+        state = tenacity.RetryCallState(_RETRYING, None, (), {})
+        state.attempt_number = max(1, attempt_number)
+        return float(super().__call__(state))
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        return self.rng.uniform(0.0, self.upper_bound(retry_state.attempt_number))
+
+    def delay(self, attempt_number: int) -> float:
+        return self.rng.uniform(0.0, self.upper_bound(attempt_number))
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """When to try again after attempt ``attempts`` failed in a retryable way."""
+
+    initial: timedelta
+    maximum: timedelta
+    rng: random.Random
+
+    def wait(self) -> FullJitter:
+        return FullJitter(self.initial.total_seconds(), self.maximum.total_seconds(), self.rng)
+
+    def retry_at(
+        self, *, now: datetime, attempts: int, retry_after: float | None = None
+    ) -> datetime:
+        """``now`` plus a jittered delay for attempt ``attempts`` (1-based), at least ``retry_after``.
+
+        A provider's ``Retry-After`` is honoured as a floor even when it is
+        longer than ``maximum``: sending earlier would only earn another 429.
+        The caller (``policy.after_attempt``) refuses any time at or past the
+        effect's deadline.
+        """
+        seconds = self.wait().delay(attempts)
+        if retry_after is not None and math.isfinite(retry_after):
+            seconds = max(seconds, retry_after)
+        return now + timedelta(seconds=seconds)
+
+
+class RetryBudget:
+    """Retries at most ``ratio`` x first attempts over a sliding window (floor ``min_per_window``).
+
+    The window is kept as ``buckets`` counters, so memory stays constant
+    however many deliveries pass through (a timestamp per delivery would grow
+    with throughput). Not thread-safe: the dispatcher uses it from one thread.
+    """
+
+    def __init__(
+        self,
+        ratio: float,
+        window: timedelta,
+        min_per_window: int,
+        *,
+        buckets: int = 20,
+    ) -> None:
+        if window <= timedelta(0):
+            raise ValueError("the retry budget window must be positive")
+        self.ratio = ratio
+        self.window = window
+        self.min_per_window = min_per_window
+        self._width = window.total_seconds() / buckets
+        self._buckets = buckets
+        # (bucket index, first attempts, retries), oldest first
+        self._counts: deque[list[int]] = deque()
+        self.denied = 0  # retries refused since start: a counter for logs and metrics
+
+    def _bucket(self, now: datetime) -> list[int]:
+        index = math.floor(now.timestamp() / self._width)
+        while self._counts and self._counts[0][0] <= index - self._buckets:
+            self._counts.popleft()
+        if not self._counts or self._counts[-1][0] < index:
+            self._counts.append([index, 0, 0])
+        return self._counts[-1]
+
+    def _totals(self, now: datetime) -> tuple[int, int]:
+        self._bucket(now)
+        return sum(c[1] for c in self._counts), sum(c[2] for c in self._counts)
+
+    def record_first(self, now: datetime) -> None:
+        self._bucket(now)[1] += 1
+
+    def available(self, now: datetime) -> int:
+        """How many retries may start now."""
+        firsts, retries = self._totals(now)
+        allowed = max(self.min_per_window, math.floor(self.ratio * firsts))
+        return max(0, allowed - retries)
+
+    def try_retry(self, now: datetime) -> bool:
+        """Spend one retry if the budget has one; count a refusal otherwise."""
+        if self.available(now) <= 0:
+            self.denied += 1
+            return False
+        self._bucket(now)[2] += 1
+        return True
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"  # deliveries flow
+    OPEN = "open"  # paused until the cooldown ends
+    HALF_OPEN = "half_open"  # one probe delivery is out; its result closes or reopens
+
+
+class CircuitBreaker:
+    """Consecutive provider failures pause an adapter, with a cooldown that backs off.
+
+    A failure is an answer that says the provider is in trouble (not sent,
+    retryable, ambiguous); a success is any answer that shows it working
+    (delivered, or a permanent refusal of one request). Not thread-safe.
+    """
+
+    def __init__(self, threshold: int, cooldown: timedelta, cooldown_max: timedelta) -> None:
+        self.threshold = threshold
+        self.cooldown_initial = cooldown
+        self.cooldown_max = cooldown_max
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self.cooldown = cooldown
+        self.open_until: datetime | None = None
+        self.opened = 0  # times it opened since start: a counter for logs and metrics
+        self._probe_out = False
+
+    def allow(self, now: datetime) -> bool:
+        """May a delivery start now? In half-open state, only the first caller's may."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            assert self.open_until is not None
+            if now < self.open_until:
+                return False
+            self.state = BreakerState.HALF_OPEN
+            self._probe_out = False
+        if self._probe_out:
+            return False
+        self._probe_out = True
+        return True
+
+    def paused(self, now: datetime) -> bool:
+        """True when ``allow`` would refuse; does not take the probe."""
+        if self.state is BreakerState.CLOSED:
+            return False
+        if self.state is BreakerState.OPEN:
+            assert self.open_until is not None
+            return now < self.open_until
+        return self._probe_out
+
+    def record_success(self, now: datetime) -> bool:
+        """Returns True when this closed a breaker that was open or half-open."""
+        del now
+        was_open = self.state is not BreakerState.CLOSED
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self.cooldown = self.cooldown_initial
+        self.open_until = None
+        self._probe_out = False
+        return was_open
+
+    def record_failure(self, now: datetime) -> bool:
+        """Returns True when this failure opened (or reopened) the breaker."""
+        self.failures += 1
+        if self.state is BreakerState.HALF_OPEN:
+            # The probe failed: pause again, for longer.
+            self.cooldown = min(self.cooldown * 2, self.cooldown_max)
+            return self._open(now)
+        if self.state is BreakerState.CLOSED and self.failures >= self.threshold:
+            return self._open(now)
+        return False
+
+    def release_probe(self) -> None:
+        """The probe never reached the provider (withdrawn at shutdown): let another go."""
+        self._probe_out = False
+
+    def _open(self, now: datetime) -> bool:
+        self.state = BreakerState.OPEN
+        self.open_until = now + self.cooldown
+        self._probe_out = False
+        self.opened += 1
+        return True

@@ -1,0 +1,717 @@
+"""The persistence port of delivery: claim, renew, finish, release, expire.
+
+Named by protocol, not CRUD. Every function takes the engine and opens its own
+short write transaction, so no transaction is ever held open across a send.
+
+The guarantees, and the statement that keeps each one:
+
+- **A claim is exclusive.** ``claim_due`` picks due ``pending`` rows (on
+  PostgreSQL ``FOR UPDATE SKIP LOCKED``, on SQLite under ``BEGIN IMMEDIATE``),
+  sets them ``in_flight`` under a lease (``lease_owner``, ``lease_expires_at``),
+  raises each row's ``fence`` and inserts one open attempt row per claimed
+  effect, all in one transaction. The attempt row is committed before anything
+  is sent: an attempt with ``started_at`` and no ``finished_at`` is the evidence
+  that the provider may have acted.
+- **Only the lease holder writes the row's state.** ``finish_attempts`` updates
+  a row only ``WHERE id = :id AND fence = :fence AND status = 'in_flight'``. A
+  result that misses (the lease expired and the row moved on) is kept on its own
+  attempt row with ``late = true`` and changes nothing else.
+- **Batched.** One transaction per batch: on PostgreSQL one ``UPDATE ... FROM
+  unnest(...)`` per table, on SQLite ``executemany`` inside the write lock.
+- **Time.** ``now=None`` means the database clock on PostgreSQL (hosts with
+  skewed clocks still agree on who holds a lease) and the host clock on SQLite.
+  An explicit ``now`` always wins, so tests can move time.
+
+The state decisions come from ``outbox.policy``; this module only writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Connection, Engine
+
+import adapters
+from outbox import db, policy, schema, states
+from outbox.states import AttemptOutcome, EffectStatus, Reason
+
+S = EffectStatus
+_out = schema.outbox
+_att = schema.attempts
+
+LEASE_EXPIRED_ERROR = "lease expired before the result was recorded; the send may have happened"
+NO_REFERENCE_MARKER = "http-{status_code}"
+"""Stands in for ``provider_ref`` when a provider confirmed an effect without naming it."""
+
+CapabilitiesFor = Callable[[str], "adapters.Capabilities | None"]
+
+
+# --- values ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimParams:
+    """One claim: who, for how long, how many, and what to leave alone."""
+
+    owner: str
+    lease: timedelta
+    limit: int
+    now: datetime | None = None  # None: the database clock (PostgreSQL) or the host's
+    # Adapters whose breaker is open: their rows are not even selected.
+    paused_adapters: frozenset[str] = frozenset()
+    # Adapters whose retry budget is spent: their retries (attempts > 0) are not selected.
+    no_retry_adapters: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A due row as the claim first sees it, before deciding to send it."""
+
+    id: int
+    adapter: str
+    attempts: int  # attempts started so far; 0 means this would be the first
+    maybe_sent: bool
+    deadline_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A row this worker now holds, with its open attempt."""
+
+    id: int
+    tenant: str
+    operation_id: str
+    effect: str
+    adapter: str
+    payload: str  # canonical JSON text, as stored
+    effect_key: str
+    attempt_no: int  # this attempt; equals the row's ``attempts`` after the claim
+    fence: int
+    maybe_sent: bool  # before this attempt
+    deadline_at: datetime
+    lease_expires_at: datetime
+    started_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    effects: list[Claimed]
+    expired: int  # due rows past their deadline, settled by policy.at_deadline, not sent
+    skipped: int  # due rows the admission check refused this time (left pending, untouched)
+    now: datetime | None  # the clock the claim used (None when nothing was due)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """One attempt's end and the row's next state (``policy.Decision``)."""
+
+    effect_id: int
+    fence: int
+    attempt_no: int
+    at: datetime
+    outcome: AttemptOutcome
+    decision: policy.Decision
+    status_code: int | None = None
+    error: str | None = None
+    provider_ref: str | None = None  # the row's reference (required when succeeded)
+    attempt_provider_ref: str | None = None
+    next_lookup_at: datetime | None = None  # when outcome_unknown: first lookup not before
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What ``finish_attempts`` did: rows whose state it wrote, and late results."""
+
+    recorded: frozenset[int] = field(default_factory=frozenset)
+    late: frozenset[int] = field(default_factory=frozenset)
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def _is_pg(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _now_expr(conn: Connection, now: datetime | None) -> sa.ColumnElement[datetime]:
+    if now is not None:
+        return sa.literal(now, schema.UTCDateTime())
+    if _is_pg(conn):
+        return sa.func.now(type_=schema.UTCDateTime())
+    return sa.literal(schema.utcnow(), schema.UTCDateTime())
+
+
+def _ids_match(conn: Connection, column: sa.ColumnElement[Any], ids: Sequence[int]) -> Any:
+    if _is_pg(conn):
+        # One array parameter: the statement text is the same for every batch
+        # size, so PostgreSQL can keep it prepared.
+        return column == sa.any_(sa.literal(list(ids), postgresql.ARRAY(sa.BigInteger())))
+    return column.in_(list(ids))
+
+
+def _check(decision: policy.Decision) -> None:
+    states.check_transition(S.IN_FLIGHT, decision.status)
+
+
+# --- claim ----------------------------------------------------------------------
+
+
+def claim_due(
+    engine: Engine,
+    params: ClaimParams,
+    admit: Callable[[Candidate, datetime], bool] | None = None,
+) -> Claim:
+    """Claim up to ``params.limit`` due rows and open one attempt for each, in one transaction.
+
+    ``admit(candidate, now)`` may refuse a row (retry budget, breaker probe
+    already out): it stays ``pending``, untouched, for a later claim. Due rows
+    already past their deadline are never sent: ``policy.at_deadline`` settles
+    them here (failed, or outcome_unknown when a send may have happened).
+    """
+    with db.write(engine) as conn:
+        now_expr = _now_expr(conn, params.now)
+        query = sa.select(
+            _out.c.id,
+            _out.c.adapter,
+            _out.c.attempts,
+            _out.c.maybe_sent,
+            _out.c.deadline_at,
+            now_expr.label("db_now"),
+        ).where(_out.c.status == S.PENDING, _out.c.next_attempt_at <= now_expr)
+        held_back: list[sa.ColumnElement[bool]] = []
+        if params.paused_adapters:
+            held_back.append(_out.c.adapter.in_(sorted(params.paused_adapters)))
+        if params.no_retry_adapters:
+            held_back.append(
+                sa.and_(_out.c.adapter.in_(sorted(params.no_retry_adapters)), _out.c.attempts > 0)
+            )
+        if held_back:
+            # A row past its deadline is settled whatever its adapter's state.
+            query = query.where(sa.or_(sa.not_(sa.or_(*held_back)), _out.c.deadline_at <= now_expr))
+        query = query.order_by(_out.c.next_attempt_at, _out.c.id).limit(params.limit)
+        if _is_pg(conn):
+            query = query.with_for_update(skip_locked=True)
+        rows = conn.execute(query).all()
+        if not rows:
+            return Claim([], 0, 0, None)
+        now: datetime = rows[0].db_now
+        send: list[int] = []
+        expired: list[Candidate] = []
+        skipped = 0
+        for row in rows:
+            candidate = Candidate(
+                row.id, row.adapter, row.attempts, row.maybe_sent, row.deadline_at
+            )
+            if candidate.deadline_at <= now:
+                expired.append(candidate)
+            elif admit is None or admit(candidate, now):
+                send.append(candidate.id)
+            else:
+                skipped += 1
+        claimed = _claim(conn, send, params.owner, now, now + params.lease) if send else []
+        if expired:
+            _settle_at_deadline(conn, expired, now)
+        return Claim(claimed, len(expired), skipped, now)
+
+
+def _claim(
+    conn: Connection, ids: list[int], owner: str, now: datetime, lease_expires_at: datetime
+) -> list[Claimed]:
+    result = conn.execute(
+        sa.update(_out)
+        .where(_ids_match(conn, _out.c.id, ids), _out.c.status == S.PENDING)
+        .values(
+            status=S.IN_FLIGHT,
+            reason=Reason.CLAIMED,
+            lease_owner=owner,
+            lease_expires_at=lease_expires_at,
+            fence=_out.c.fence + 1,
+            attempts=_out.c.attempts + 1,
+            updated_at=now,
+        )
+        .returning(
+            _out.c.id,
+            _out.c.tenant,
+            _out.c.operation_id,
+            _out.c.effect,
+            _out.c.adapter,
+            _out.c.payload,
+            _out.c.effect_key,
+            _out.c.attempts,
+            _out.c.fence,
+            _out.c.maybe_sent,
+            _out.c.deadline_at,
+        )
+    ).all()
+    claimed = sorted(
+        (
+            Claimed(
+                id=r.id,
+                tenant=r.tenant,
+                operation_id=r.operation_id,
+                effect=r.effect,
+                adapter=r.adapter,
+                payload=r.payload,
+                effect_key=r.effect_key,
+                attempt_no=r.attempts,
+                fence=r.fence,
+                maybe_sent=r.maybe_sent,
+                deadline_at=r.deadline_at,
+                lease_expires_at=lease_expires_at,
+                started_at=now,
+            )
+            for r in result
+        ),
+        key=lambda c: c.id,
+    )
+    if claimed:
+        # Commit before sending: an open attempt is our only evidence that the
+        # provider may have acted if this process dies mid-send.
+        conn.execute(
+            sa.insert(_att),
+            [
+                {
+                    "effect_id": c.id,
+                    "attempt_no": c.attempt_no,
+                    "worker": owner,
+                    "fence": c.fence,
+                    "effect_key": c.effect_key,
+                    "started_at": now,
+                    "late": False,
+                }
+                for c in claimed
+            ],
+        )
+    return claimed
+
+
+def _settle_at_deadline(conn: Connection, rows: list[Candidate], now: datetime) -> None:
+    params = []
+    for row in rows:
+        decision = policy.at_deadline(row.maybe_sent)
+        states.check_transition(S.PENDING, decision.status)
+        params.append(
+            {
+                "b_id": row.id,
+                "status": decision.status,
+                "reason": decision.reason,
+                "maybe_sent": decision.maybe_sent,
+                "finished_at": now if decision.terminal else None,
+                "next_lookup_at": now if decision.status is S.OUTCOME_UNKNOWN else None,
+                "last_error": "deadline passed before the next attempt could start",
+                "updated_at": now,
+            }
+        )
+    conn.execute(
+        sa.update(_out)
+        .where(_out.c.id == sa.bindparam("b_id"), _out.c.status == S.PENDING)
+        .values(
+            status=sa.bindparam("status"),
+            reason=sa.bindparam("reason"),
+            maybe_sent=sa.bindparam("maybe_sent"),
+            finished_at=sa.bindparam("finished_at"),
+            next_lookup_at=sa.bindparam("next_lookup_at"),
+            last_error=sa.bindparam("last_error"),
+            needs_review=False,
+            updated_at=sa.bindparam("updated_at"),
+        ),
+        params,
+    )
+
+
+# --- leases ---------------------------------------------------------------------------
+
+
+def renew_leases(engine: Engine, owner: str, lease: timedelta, now: datetime | None = None) -> int:
+    """Extend every live lease ``owner`` holds to ``now + lease``; returns how many.
+
+    A lease that has already run out is not revived: once it expired, the row
+    may be someone else's (or the reconciler's) to decide, and the fence makes
+    our eventual result late.
+    """
+    with db.write(engine) as conn:
+        now_expr = _now_expr(conn, now)
+        expires: Any = (
+            now_expr + sa.literal(lease, sa.Interval())
+            if now is None and _is_pg(conn)
+            else sa.literal(
+                (now if now is not None else schema.utcnow()) + lease, schema.UTCDateTime()
+            )
+        )
+        result = conn.execute(
+            sa.update(_out)
+            .where(
+                _out.c.status == S.IN_FLIGHT,
+                _out.c.lease_owner == owner,
+                _out.c.lease_expires_at > now_expr,
+            )
+            .values(lease_expires_at=expires)
+        )
+        return int(result.rowcount)
+
+
+# --- finish --------------------------------------------------------------------------
+
+
+def finish_attempts(engine: Engine, finishes: Sequence[Finish]) -> Recorded:
+    """Record a batch of finished attempts, in one transaction.
+
+    Each row's state is written only while its fence still holds (``id``,
+    ``fence`` and ``status = 'in_flight'`` all match). Every attempt row is
+    finished either way; one whose row had moved on is marked ``late``.
+    """
+    if not finishes:
+        return Recorded()
+    for finish in finishes:
+        _check(finish.decision)
+        if finish.decision.status is S.SUCCEEDED and not finish.provider_ref:
+            raise ValueError(f"effect {finish.effect_id}: succeeded needs a provider_ref")
+    with db.write(engine) as conn:
+        held = _write_finishes(conn, finishes)
+    ids = frozenset(f.effect_id for f in finishes)
+    return Recorded(recorded=frozenset(held), late=ids - held)
+
+
+def _row_params(f: Finish) -> dict[str, Any]:
+    d = f.decision
+    return {
+        "id": f.effect_id,
+        "fence": f.fence,
+        "status": d.status.value,
+        "reason": d.reason.value,
+        "maybe_sent": d.maybe_sent,
+        "next_attempt_at": d.next_attempt_at if d.status is S.PENDING else None,
+        "provider_ref": f.provider_ref,
+        "last_error": f.error if d.status is not S.SUCCEEDED else None,
+        "finished_at": f.at if d.terminal else None,
+        "next_lookup_at": f.next_lookup_at if d.status is S.OUTCOME_UNKNOWN else None,
+        "updated_at": f.at,
+    }
+
+
+def _attempt_params(f: Finish, late: bool) -> dict[str, Any]:
+    return {
+        "effect_id": f.effect_id,
+        "attempt_no": f.attempt_no,
+        "fence": f.fence,
+        "finished_at": f.at,
+        "outcome": f.outcome.value,
+        "status_code": f.status_code,
+        "error": f.error,
+        "provider_ref": f.attempt_provider_ref,
+        "late": late,
+    }
+
+
+def _write_finishes(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
+    if _is_pg(conn):
+        return _write_finishes_pg(conn, finishes)
+    return _write_finishes_sqlite(conn, finishes)
+
+
+_ROW_COLUMNS = (
+    ("id", "bigint"),
+    ("fence", "bigint"),
+    ("status", "varchar"),
+    ("reason", "varchar"),
+    ("maybe_sent", "boolean"),
+    ("next_attempt_at", "timestamptz"),
+    ("provider_ref", "varchar"),
+    ("last_error", "text"),
+    ("finished_at", "timestamptz"),
+    ("next_lookup_at", "timestamptz"),
+    ("updated_at", "timestamptz"),
+)
+_ATTEMPT_COLUMNS = (
+    ("effect_id", "bigint"),
+    ("attempt_no", "integer"),
+    ("fence", "bigint"),
+    ("finished_at", "timestamptz"),
+    ("outcome", "varchar"),
+    ("status_code", "integer"),
+    ("error", "text"),
+    ("provider_ref", "varchar"),
+    ("late", "boolean"),
+)
+
+
+def _unnest(columns: Iterable[tuple[str, str]]) -> tuple[str, str]:
+    columns = list(columns)
+    arrays = ", ".join(f"CAST(:{name} AS {kind}[])" for name, kind in columns)
+    names = ", ".join(name for name, _ in columns)
+    return f"unnest({arrays}) AS v({names})", names
+
+
+def _arrays(rows: list[dict[str, Any]], columns: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    return {name: [row[name] for row in rows] for name, _ in columns}
+
+
+_PG_FINISH_ROWS = sa.text(
+    f"""
+UPDATE outbox AS o SET
+    status = v.status,
+    reason = v.reason,
+    maybe_sent = v.maybe_sent,
+    next_attempt_at = COALESCE(v.next_attempt_at, o.next_attempt_at),
+    lease_owner = NULL,
+    lease_expires_at = NULL,
+    provider_ref = COALESCE(v.provider_ref, o.provider_ref),
+    last_error = v.last_error,
+    finished_at = v.finished_at,
+    next_lookup_at = v.next_lookup_at,
+    needs_review = false,
+    updated_at = v.updated_at
+FROM {_unnest(_ROW_COLUMNS)[0]}
+WHERE o.id = v.id AND o.fence = v.fence AND o.status = 'in_flight'
+RETURNING o.id
+"""
+)
+
+_PG_FINISH_ATTEMPTS = sa.text(
+    f"""
+UPDATE attempts AS a SET
+    finished_at = v.finished_at,
+    outcome = v.outcome,
+    status_code = v.status_code,
+    error = v.error,
+    provider_ref = v.provider_ref,
+    late = v.late
+FROM {_unnest(_ATTEMPT_COLUMNS)[0]}
+WHERE a.effect_id = v.effect_id AND a.attempt_no = v.attempt_no AND a.fence = v.fence
+"""
+)
+
+
+def _write_finishes_pg(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
+    rows = [_row_params(f) for f in finishes]
+    held = set(conn.execute(_PG_FINISH_ROWS, _arrays(rows, _ROW_COLUMNS)).scalars())
+    attempts = [_attempt_params(f, f.effect_id not in held) for f in finishes]
+    conn.execute(_PG_FINISH_ATTEMPTS, _arrays(attempts, _ATTEMPT_COLUMNS))
+    return held
+
+
+def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
+    # Under BEGIN IMMEDIATE nobody else writes between this read and the
+    # updates, so the rows whose fence holds are known before writing.
+    current = {
+        r.id: (r.fence, r.status)
+        for r in conn.execute(
+            sa.select(_out.c.id, _out.c.fence, _out.c.status).where(
+                _ids_match(conn, _out.c.id, [f.effect_id for f in finishes])
+            )
+        )
+    }
+    held = {f.effect_id for f in finishes if current.get(f.effect_id) == (f.fence, S.IN_FLIGHT)}
+    rows = [
+        {f"b_{k}": v for k, v in _row_params(f).items()} for f in finishes if f.effect_id in held
+    ]
+    if rows:
+        result = conn.execute(
+            sa.update(_out)
+            .where(
+                _out.c.id == sa.bindparam("b_id"),
+                _out.c.fence == sa.bindparam("b_fence"),
+                _out.c.status == S.IN_FLIGHT,
+            )
+            .values(
+                status=sa.bindparam("b_status"),
+                reason=sa.bindparam("b_reason"),
+                maybe_sent=sa.bindparam("b_maybe_sent"),
+                next_attempt_at=sa.func.coalesce(
+                    sa.bindparam("b_next_attempt_at", type_=schema.UTCDateTime()),
+                    _out.c.next_attempt_at,
+                ),
+                lease_owner=None,
+                lease_expires_at=None,
+                provider_ref=sa.func.coalesce(
+                    sa.bindparam("b_provider_ref", type_=sa.String()), _out.c.provider_ref
+                ),
+                last_error=sa.bindparam("b_last_error"),
+                finished_at=sa.bindparam("b_finished_at"),
+                next_lookup_at=sa.bindparam("b_next_lookup_at"),
+                needs_review=False,
+                updated_at=sa.bindparam("b_updated_at"),
+            ),
+            rows,
+        )
+        if result.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
+            raise RuntimeError("a fenced update missed a row it had just seen under the lock")
+    conn.execute(
+        sa.update(_att)
+        .where(
+            _att.c.effect_id == sa.bindparam("b_effect_id"),
+            _att.c.attempt_no == sa.bindparam("b_attempt_no"),
+            _att.c.fence == sa.bindparam("b_fence"),
+        )
+        .values(
+            finished_at=sa.bindparam("b_finished_at", type_=schema.UTCDateTime()),
+            outcome=sa.bindparam("b_outcome"),
+            status_code=sa.bindparam("b_status_code"),
+            error=sa.bindparam("b_error"),
+            provider_ref=sa.bindparam("b_provider_ref"),
+            late=sa.bindparam("b_late"),
+        ),
+        [
+            {f"b_{k}": v for k, v in _attempt_params(f, f.effect_id not in held).items()}
+            for f in finishes
+        ],
+    )
+    return held
+
+
+# --- release (shutdown) and lease expiry (reconciler) ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A row this worker gives back at shutdown, and whether its request left us."""
+
+    effect: Claimed
+    handed_to_adapter: bool  # True: the send may have happened (or be happening)
+    honours_keys: bool
+    lookup_settle_seconds: float = 0.0
+
+
+def release(
+    engine: Engine,
+    releases: Sequence[Release],
+    *,
+    now: datetime,
+    max_attempts: int,
+) -> Recorded:
+    """Give rows back at shutdown without pretending a possible send did not happen.
+
+    - Never handed to the adapter: back to ``pending`` (reason ``released``),
+      due now, its attempt finished ``not_sent``.
+    - Handed to the adapter: its attempt is finished ``abandoned`` and policy
+      decides as for a lost lease: ``pending`` with the same key when the
+      provider honours keys, else ``outcome_unknown`` (no automatic resend).
+    """
+    finishes = []
+    for item in releases:
+        c = item.effect
+        if not item.handed_to_adapter:
+            decision = policy.Decision(S.PENDING, Reason.RELEASED, c.maybe_sent, now)
+            finishes.append(
+                Finish(
+                    c.id,
+                    c.fence,
+                    c.attempt_no,
+                    now,
+                    AttemptOutcome.NOT_SENT,
+                    decision,
+                    error="released at shutdown before it was sent",
+                )
+            )
+            continue
+        decision = policy.after_attempt(
+            outcome=AttemptOutcome.ABANDONED,
+            may_have_happened=True,
+            honours_keys=item.honours_keys,
+            maybe_sent_before=c.maybe_sent,
+            attempts=c.attempt_no,
+            max_attempts=max_attempts,
+            retry_at=now,
+            deadline_at=c.deadline_at,
+        )
+        finishes.append(
+            Finish(
+                c.id,
+                c.fence,
+                c.attempt_no,
+                now,
+                AttemptOutcome.ABANDONED,
+                decision,
+                error="released at shutdown while the send was in progress; it may have happened",
+                next_lookup_at=now + timedelta(seconds=item.lookup_settle_seconds),
+            )
+        )
+    return finish_attempts(engine, finishes)
+
+
+def expire_leases(
+    engine: Engine,
+    *,
+    capabilities_for: CapabilitiesFor,
+    max_attempts: int,
+    now: datetime | None = None,
+    retry_at: Callable[[datetime, int], datetime] | None = None,
+    limit: int = 500,
+) -> int:
+    """Settle ``in_flight`` rows whose lease ran out (their worker died or stalled).
+
+    For the reconciler's lease-expiry sweep (call it until it returns 0). Each
+    expired row's open attempt is finished ``abandoned`` (the send may have
+    happened) and ``policy.after_attempt`` decides the row as the dispatcher
+    would have: ``pending`` with the same key, due at ``retry_at(now, attempts)``
+    (default: now), when the adapter honours keys; ``outcome_unknown`` (first
+    lookup after the adapter's settle time, ``needs_review`` left false)
+    otherwise; failed/outcome_unknown past the deadline or the attempt cap.
+
+    ``capabilities_for(adapter_name)`` returns the adapter's capabilities; an
+    unknown adapter (``None``, ``KeyError`` or ``adapters.UnknownAdapter``) is
+    treated as one that ignores keys, so nothing is resent on a guess.
+    ``now=None`` uses the database clock on PostgreSQL. Returns the rows settled.
+    """
+    with db.write(engine) as conn:
+        now_expr = _now_expr(conn, now)
+        query = (
+            sa.select(
+                _out.c.id,
+                _out.c.adapter,
+                _out.c.attempts,
+                _out.c.fence,
+                _out.c.maybe_sent,
+                _out.c.deadline_at,
+                now_expr.label("db_now"),
+            )
+            .where(_out.c.status == S.IN_FLIGHT, _out.c.lease_expires_at < now_expr)
+            .order_by(_out.c.lease_expires_at)
+            .limit(limit)
+        )
+        if _is_pg(conn):
+            query = query.with_for_update(skip_locked=True)
+        rows = conn.execute(query).all()
+        if not rows:
+            return 0
+        at: datetime = rows[0].db_now
+        finishes = []
+        for row in rows:
+            caps = _capabilities(capabilities_for, row.adapter)
+            honours = caps is not None and caps.honours_idempotency_keys
+            settle = caps.lookup_settle_seconds if caps is not None else 0.0
+            decision = policy.after_attempt(
+                outcome=AttemptOutcome.ABANDONED,
+                may_have_happened=True,
+                honours_keys=honours,
+                maybe_sent_before=row.maybe_sent,
+                attempts=row.attempts,
+                max_attempts=max_attempts,
+                retry_at=retry_at(at, row.attempts) if retry_at else at,
+                deadline_at=row.deadline_at,
+            )
+            finishes.append(
+                Finish(
+                    row.id,
+                    row.fence,
+                    row.attempts,
+                    at,
+                    AttemptOutcome.ABANDONED,
+                    decision,
+                    error=LEASE_EXPIRED_ERROR,
+                    next_lookup_at=at + timedelta(seconds=settle),
+                )
+            )
+        return len(_write_finishes(conn, finishes))
+
+
+def _capabilities(lookup: CapabilitiesFor, adapter: str) -> adapters.Capabilities | None:
+    try:
+        return lookup(adapter)
+    except (KeyError, adapters.UnknownAdapter):
+        return None
