@@ -387,7 +387,7 @@ def _row_params(f: Finish) -> dict[str, Any]:
         "maybe_sent": d.maybe_sent,
         "next_attempt_at": d.next_attempt_at if d.status is S.PENDING else None,
         "provider_ref": f.provider_ref,
-        "last_error": f.error if d.status is not S.SUCCEEDED else None,
+        "last_error": f.error,
         "finished_at": f.at if d.terminal else None,
         "next_lookup_at": f.next_lookup_at if d.status is S.OUTCOME_UNKNOWN else None,
         "updated_at": f.at,

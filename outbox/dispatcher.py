@@ -1,0 +1,699 @@
+"""``outbox dispatcher``: deliver due outbox rows through their adapters.
+
+One pass (``run_once``):
+
+1. **Claim** a batch in one transaction (``store.claim_due``): due rows go
+   ``in_flight`` under a fenced lease and each gets an open attempt row, which
+   is committed before anything is sent. Adapters whose circuit breaker is open
+   are left out, and so are retries of adapters whose retry budget is spent.
+2. **Send** up to ``concurrency`` at once on a thread pool. Each request carries
+   the row's stored ``effect_key`` and nothing else. An adapter that raises
+   fails that row only.
+3. **Record** results in batches (``store.finish_attempts``), one transaction
+   per batch of finished deliveries; each row's state is written only while its
+   fence holds. ``policy.after_attempt`` decides the next state; ``retry`` says
+   when a retry is due (full jitter, ``Retry-After`` as a floor).
+
+``run()`` loops over ``run_once``. APScheduler runs two jobs, one instance
+each, coalesced: the poll (wakes the loop every ``poll_interval``) and lease
+renewal (every ``lease_renew_interval``, at most a third of the lease, while
+anything is in flight). On PostgreSQL a ``LISTEN outbox_pending`` thread wakes
+the loop as soon as new rows commit. ``request_stop()`` (SIGTERM) stops
+claiming, withdraws requests not yet handed to an adapter, gives the ones in
+progress ``shutdown_grace`` to finish, then releases the rest through
+``store.release`` (a possibly-sent row is never returned as unsent).
+
+Clocks: ``run_once(now=...)`` uses the given time for everything (tests). With
+``now=None`` the claim uses the database clock on PostgreSQL and the host's on
+SQLite; a result's time is the claim's time plus the elapsed monotonic time, so
+attempt times, retries and leases share one clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import FrameType
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+import adapters
+from outbox import db, errors, faults, logs, metrics, policy, retry, schema, settings, store
+from outbox.states import AttemptOutcome, EffectStatus
+
+logger = logging.getLogger("outbox.dispatcher")
+
+S = EffectStatus
+
+FLUSH_SIZE_DEFAULT = 100
+"""Record results once this many have finished, even if others are still out."""
+FLUSH_AFTER_DEFAULT = timedelta(milliseconds=20)
+"""... or once the oldest unrecorded result has waited this long."""
+LISTEN_TIMEOUT_SECONDS = 0.5  # how often the LISTEN thread looks at the stop flag
+
+_OUTCOMES: Mapping[adapters.Outcome, AttemptOutcome] = {
+    adapters.Outcome.DELIVERED: AttemptOutcome.DELIVERED,
+    adapters.Outcome.NOT_SENT: AttemptOutcome.NOT_SENT,
+    adapters.Outcome.RETRYABLE: AttemptOutcome.RETRYABLE,
+    adapters.Outcome.PERMANENT: AttemptOutcome.PERMANENT,
+    adapters.Outcome.AMBIGUOUS: AttemptOutcome.AMBIGUOUS,
+}
+# Answers that say the provider is in trouble (the breaker counts them); a
+# permanent refusal or a delivery shows it working.
+_PROVIDER_FAILURES = frozenset(
+    {AttemptOutcome.NOT_SENT, AttemptOutcome.RETRYABLE, AttemptOutcome.AMBIGUOUS}
+)
+
+
+def default_worker_id() -> str:
+    """``host:pid:random``: unique per process, readable in attempt rows and logs."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """What one delivery produced, as the dispatcher records it."""
+
+    outcome: AttemptOutcome
+    may_have_happened: bool
+    status_code: int | None = None
+    provider_ref: str | None = None
+    retry_after: float | None = None
+    error: str | None = None
+
+
+_WITHDRAWN = object()  # the request was never handed to the adapter (shutdown)
+
+
+@dataclass(eq=False)
+class _Task:
+    effect: store.Claimed
+    adapter: adapters.Adapter | None
+    started: float  # monotonic, at claim
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    handed: bool = False  # the request was given to adapter.deliver: it may have been sent
+    withdrawn: bool = False
+    done: float | None = None  # monotonic, when the adapter returned
+
+
+class Dispatcher:
+    """Delivers outbox rows. ``run_once(now)`` is one pass; ``run()`` loops over it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        registry: adapters.Registry,
+        config: settings.Settings | None = None,
+        *,
+        worker_id: str | None = None,
+        rng: random.Random | None = None,
+        flush_size: int = FLUSH_SIZE_DEFAULT,
+        flush_after: timedelta = FLUSH_AFTER_DEFAULT,
+    ) -> None:
+        self.engine = engine
+        self.adapters = registry
+        self.settings = config or settings.load()
+        self.worker_id = worker_id or default_worker_id()
+        self.rng = rng or random.Random()
+        self.backoff = retry.Backoff(
+            self.settings.backoff_initial, self.settings.backoff_max, self.rng
+        )
+        self.flush_size = flush_size
+        self.flush_after = flush_after.total_seconds()
+        self._budgets: dict[str, retry.RetryBudget] = {}
+        self._breakers: dict[str, retry.CircuitBreaker] = {}
+        self._budget_empty: set[str] = set()  # for logging the transitions only
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=self.settings.concurrency, thread_name_prefix="outbox-deliver"
+        )
+        self._stop = threading.Event()
+        self._stop_requested_at: float | None = None
+        self._wake = threading.Event()
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self.late_results = 0  # results that arrived after the lease was lost
+        self.released = 0  # rows given back at shutdown
+
+    # --- the retry budget and the breaker, per adapter -----------------------
+
+    def budget(self, adapter: str) -> retry.RetryBudget:
+        found = self._budgets.get(adapter)
+        if found is None:
+            s = self.settings
+            found = retry.RetryBudget(
+                s.retry_budget_ratio, s.retry_budget_window, s.retry_budget_min_per_window
+            )
+            self._budgets[adapter] = found
+        return found
+
+    def breaker(self, adapter: str) -> retry.CircuitBreaker:
+        found = self._breakers.get(adapter)
+        if found is None:
+            s = self.settings
+            found = retry.CircuitBreaker(
+                s.breaker_failure_threshold, s.breaker_cooldown, s.breaker_cooldown_max
+            )
+            self._breakers[adapter] = found
+        return found
+
+    def _admit(self, candidate: store.Candidate, now: datetime) -> bool:
+        """May this due row be sent now? Called inside the claim transaction."""
+        if not self.breaker(candidate.adapter).allow(now):
+            return False
+        budget = self.budget(candidate.adapter)
+        if candidate.attempts == 0:
+            budget.record_first(now)
+            return True
+        if budget.try_retry(now):
+            return True
+        metrics.RETRY_BUDGET_REFUSALS.labels(candidate.adapter).inc()
+        if candidate.adapter not in self._budget_empty:
+            self._budget_empty.add(candidate.adapter)
+            logger.warning(
+                "retry budget spent: retries wait for first attempts or the window to pass",
+                extra={"adapter": candidate.adapter, "worker": self.worker_id},
+            )
+        # The breaker's probe, if this was one, did not go out.
+        self.breaker(candidate.adapter).release_probe()
+        return False
+
+    def _claim_params(self, now: datetime | None) -> store.ClaimParams:
+        at = now or schema.utcnow()
+        paused = frozenset(name for name, b in self._breakers.items() if b.paused(at))
+        spent = set()
+        for name, budget in self._budgets.items():
+            if budget.available(at) > 0:
+                self._budget_empty.discard(name)
+            else:
+                spent.add(name)
+        return store.ClaimParams(
+            owner=self.worker_id,
+            lease=self.settings.lease_duration,
+            limit=self.settings.claim_batch_size,
+            now=now,
+            paused_adapters=paused,
+            no_retry_adapters=frozenset(spent),
+        )
+
+    # --- one pass ----------------------------------------------------------------
+
+    def run_once(self, now: datetime | None = None) -> int:
+        """Claim one batch, deliver it, record the results. Returns the rows handled."""
+        if self._stop.is_set():
+            return 0
+        claim = store.claim_due(self.engine, self._claim_params(now), self._admit)
+        if claim.expired:
+            logger.info(
+                "settled rows past their deadline without sending",
+                extra={"count": claim.expired, "worker": self.worker_id},
+            )
+        if not claim.effects:
+            return claim.expired
+        assert claim.now is not None
+        faults.point("dispatch.after_attempt_commit")
+        started = time.monotonic()
+        tasks = [self._task(effect, started) for effect in claim.effects]
+        with self._in_flight_lock:
+            self._in_flight += len(tasks)
+        try:
+            self._deliver_and_record(tasks, claim.now, fixed_now=now)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= len(tasks)
+        return len(tasks) + claim.expired
+
+    def _task(self, effect: store.Claimed, started: float) -> _Task:
+        try:
+            adapter: adapters.Adapter | None = self.adapters.get(effect.adapter)
+        except adapters.UnknownAdapter:
+            adapter = None
+        return _Task(effect, adapter, started)
+
+    def _deliver_and_record(
+        self, tasks: list[_Task], claimed_at: datetime, fixed_now: datetime | None
+    ) -> None:
+        def at(task: _Task) -> datetime:
+            if fixed_now is not None:
+                return fixed_now
+            return claimed_at + timedelta(seconds=(task.done or time.monotonic()) - task.started)
+
+        futures = {self._pool.submit(self._deliver, task): task for task in tasks}
+        waiting = set(futures)
+        buffer: list[store.Finish] = []
+        withdrawn: list[_Task] = []
+        oldest: float | None = None
+        while waiting:
+            timeout = self._wait_timeout(oldest)
+            done, waiting = cf.wait(waiting, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                task = futures[future]
+                outcome = future.result()  # an exception here is a crash window firing
+                if outcome is _WITHDRAWN:
+                    withdrawn.append(task)
+                    continue
+                assert isinstance(outcome, _Result)
+                buffer.append(self._finish(task, outcome, at(task)))
+                oldest = oldest if oldest is not None else time.monotonic()
+            if buffer and (
+                not waiting
+                or len(buffer) >= self.flush_size
+                or (oldest is not None and time.monotonic() - oldest >= self.flush_after)
+            ):
+                self._record(buffer)
+                buffer, oldest = [], None
+            if waiting and self._grace_over():
+                self._record(buffer)
+                buffer = []
+                self._release([futures[f] for f in waiting], withdrawn, fixed_now, claimed_at)
+                for future in waiting:
+                    future.cancel()
+                return
+        if withdrawn:
+            self._release([], withdrawn, fixed_now, claimed_at)
+
+    def _wait_timeout(self, oldest: float | None) -> float:
+        timeout = 0.05
+        if oldest is not None:
+            timeout = max(0.0, min(timeout, oldest + self.flush_after - time.monotonic()))
+        if self._stop_requested_at is not None:
+            left = self._stop_requested_at + self.settings.shutdown_grace.total_seconds()
+            timeout = max(0.0, min(timeout, left - time.monotonic()))
+        return timeout
+
+    def _grace_over(self) -> bool:
+        started = self._stop_requested_at
+        return (
+            started is not None
+            and time.monotonic() >= started + self.settings.shutdown_grace.total_seconds()
+        )
+
+    def _deliver(self, task: _Task) -> _Result | object:
+        """Runs on a pool thread: one send, classified. Never raises for the adapter's sake."""
+        effect = task.effect
+        with task.lock:
+            if self._stop.is_set() or task.withdrawn:
+                # Shutting down: a request that has not left must not leave now.
+                task.withdrawn = True
+                return _WITHDRAWN
+            task.handed = True
+        result = self._send(task)
+        task.done = time.monotonic()
+        faults.point("dispatch.after_send_before_finish")
+        metrics.DELIVERIES.labels(effect.adapter, result.outcome.value).inc()
+        metrics.ATTEMPT_SECONDS.labels(effect.adapter).observe(task.done - task.started)
+        return result
+
+    def _send(self, task: _Task) -> _Result:
+        effect = task.effect
+        if task.adapter is None:
+            return _Result(
+                AttemptOutcome.ADAPTER_ERROR,
+                False,
+                error=f"no adapter named {effect.adapter!r} is configured in this dispatcher",
+            )
+        try:
+            payload = json.loads(effect.payload)
+        except ValueError as exc:
+            return _Result(AttemptOutcome.ADAPTER_ERROR, False, error=f"bad payload: {exc}")
+        if not isinstance(payload, dict):
+            return _Result(
+                AttemptOutcome.ADAPTER_ERROR, False, error="bad payload: not a JSON object"
+            )
+        request = adapters.DeliveryRequest(
+            effect_id=effect.id,
+            effect_key=effect.effect_key,  # the stored key, on every attempt, and no other
+            tenant=effect.tenant,
+            operation_id=effect.operation_id,
+            effect=effect.effect,
+            payload=payload,
+            attempt=effect.attempt_no,
+        )
+        try:
+            result = task.adapter.deliver(request)
+        except adapters.AdapterError as exc:
+            # The protocol: an AdapterError is raised only before anything was sent.
+            return _Result(AttemptOutcome.ADAPTER_ERROR, False, error=_short(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug in an adapter fails its row, not the batch
+            # Outside the protocol we cannot know whether bytes left: assume they may have.
+            return _Result(
+                AttemptOutcome.AMBIGUOUS,
+                True,
+                error=f"adapter raised {type(exc).__name__}: {_short(exc)}",
+            )
+        return _Result(
+            _OUTCOMES[result.outcome],
+            result.may_have_happened,
+            status_code=result.status_code,
+            provider_ref=result.provider_ref,
+            retry_after=result.retry_after,
+            error=result.error,
+        )
+
+    def _finish(self, task: _Task, result: _Result, at: datetime) -> store.Finish:
+        effect = task.effect
+        caps = task.adapter.capabilities if task.adapter is not None else None
+        honours = caps is not None and caps.honours_idempotency_keys
+        decision = policy.after_attempt(
+            outcome=result.outcome,
+            may_have_happened=result.may_have_happened,
+            honours_keys=honours,
+            maybe_sent_before=effect.maybe_sent,
+            attempts=effect.attempt_no,
+            max_attempts=self.settings.max_attempts,
+            retry_at=self.backoff.retry_at(
+                now=at, attempts=effect.attempt_no, retry_after=result.retry_after
+            ),
+            deadline_at=effect.deadline_at,
+        )
+        provider_ref, error = result.provider_ref, result.error
+        if decision.status is S.SUCCEEDED and not provider_ref:
+            # The schema needs a reference for a success; say where this one came from.
+            provider_ref = store.NO_REFERENCE_MARKER.format(status_code=result.status_code)
+            error = f"the provider confirmed without a reference; recorded {provider_ref!r}"
+        settle = caps.lookup_settle_seconds if caps is not None else 0.0
+        self._observe(effect, result, decision, at)
+        return store.Finish(
+            effect_id=effect.id,
+            fence=effect.fence,
+            attempt_no=effect.attempt_no,
+            at=at,
+            outcome=result.outcome,
+            decision=decision,
+            status_code=result.status_code,
+            error=error,
+            provider_ref=provider_ref,
+            attempt_provider_ref=result.provider_ref,
+            next_lookup_at=at + timedelta(seconds=settle),
+        )
+
+    def _observe(
+        self, effect: store.Claimed, result: _Result, decision: policy.Decision, at: datetime
+    ) -> None:
+        """Feed the breaker and the counters; log what an operator should see."""
+        name = effect.adapter
+        breaker = self.breaker(name)
+        context = {
+            "effect_id": effect.id,
+            "attempt": effect.attempt_no,
+            "adapter": name,
+            "outcome": result.outcome.value,
+            "status_code": result.status_code,
+            "worker": self.worker_id,
+        }
+        if result.outcome in _PROVIDER_FAILURES:
+            if breaker.record_failure(at):
+                metrics.BREAKER_OPEN.labels(name).set(1)
+                logger.warning(
+                    "circuit breaker open: %s paused for %.1fs",
+                    name,
+                    breaker.cooldown.total_seconds(),
+                    extra=context,
+                )
+        elif result.outcome is not AttemptOutcome.ADAPTER_ERROR and breaker.record_success(at):
+            metrics.BREAKER_OPEN.labels(name).set(0)
+            logger.info("circuit breaker closed: %s answers again", name, extra=context)
+        if decision.status is S.PENDING:
+            metrics.RETRIES.labels(name).inc()
+        if result.outcome is AttemptOutcome.ADAPTER_ERROR:
+            logger.warning("adapter error: %s", result.error, extra=context)
+        elif decision.status is S.OUTCOME_UNKNOWN:
+            logger.warning("outcome unknown: %s", decision.reason.value, extra=context)
+
+    def _record(self, finishes: list[store.Finish]) -> None:
+        if not finishes:
+            return
+        recorded = store.finish_attempts(self.engine, finishes)
+        if recorded.late:
+            self.late_results += len(recorded.late)
+            logger.warning(
+                "late results kept on their attempt rows only: the lease had been lost",
+                extra={"count": len(recorded.late), "worker": self.worker_id},
+            )
+
+    def _release(
+        self,
+        running: list[_Task],
+        withdrawn: list[_Task],
+        fixed_now: datetime | None,
+        claimed_at: datetime,
+    ) -> None:
+        items = []
+        for task in running:
+            with task.lock:
+                if not task.handed:
+                    task.withdrawn = True
+            withdrawn_now = task.withdrawn
+            if withdrawn_now:
+                withdrawn.append(task)
+            else:
+                items.append(self._release_item(task, handed=True))
+        for task in withdrawn:
+            items.append(self._release_item(task, handed=False))
+            # If it was the half-open breaker's probe, it never went out: let another.
+            self.breaker(task.effect.adapter).release_probe()
+        now = fixed_now or claimed_at + timedelta(
+            seconds=time.monotonic() - min(t.started for t in running + withdrawn)
+        )
+        recorded = store.release(
+            self.engine, items, now=now, max_attempts=self.settings.max_attempts
+        )
+        self.released += len(recorded.recorded)
+        logger.info(
+            "released rows at shutdown",
+            extra={"count": len(recorded.recorded), "worker": self.worker_id},
+        )
+
+    def _release_item(self, task: _Task, *, handed: bool) -> store.Release:
+        caps = task.adapter.capabilities if task.adapter is not None else None
+        return store.Release(
+            effect=task.effect,
+            handed_to_adapter=handed,
+            honours_keys=caps is not None and caps.honours_idempotency_keys,
+            lookup_settle_seconds=caps.lookup_settle_seconds if caps is not None else 0.0,
+        )
+
+    # --- leases ----------------------------------------------------------------------
+
+    def renew_leases(self, now: datetime | None = None) -> int:
+        """Extend this worker's live leases (a slow delivery keeps its row)."""
+        renewed = store.renew_leases(
+            self.engine, self.worker_id, self.settings.lease_duration, now=now
+        )
+        if renewed:
+            logger.debug("renewed leases", extra={"count": renewed, "worker": self.worker_id})
+        return renewed
+
+    def _renew_job(self) -> None:
+        if self._in_flight <= 0:
+            return  # nothing held: skip the write
+        try:
+            self.renew_leases()
+        except Exception:  # a blip must not kill the job; the next run tries again
+            logger.exception("lease renewal failed", extra={"worker": self.worker_id})
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop claiming; in-flight deliveries get ``shutdown_grace``, then are released."""
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wake(self) -> None:
+        """Make a waiting ``run()`` claim now (new rows committed)."""
+        self._wake.set()
+
+    def run(self, *, once: bool = False, ready: threading.Event | None = None) -> int:
+        """Loop over ``run_once`` until ``request_stop()``; ``once``: until nothing is due.
+
+        Returns the number of rows handled.
+        """
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        s = self.settings
+        scheduler = BackgroundScheduler(timezone=UTC)
+        job = {"max_instances": 1, "coalesce": True, "misfire_grace_time": None}
+        scheduler.add_job(
+            self._renew_job,
+            "interval",
+            seconds=s.lease_renew_interval.total_seconds(),
+            id="renew_leases",
+            **job,
+        )
+        if not once:
+            scheduler.add_job(
+                self._wake.set,
+                "interval",
+                seconds=s.poll_interval.total_seconds(),
+                id="poll",
+                **job,
+            )
+        scheduler.start()
+        listener = None
+        if not once and self.engine.dialect.name == "postgresql":
+            listener = threading.Thread(target=self._listen, name="outbox-listen", daemon=True)
+            listener.start()
+        handled = 0
+        failures = 0
+        if ready is not None:
+            ready.set()
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                try:
+                    count = self.run_once()
+                    failures = 0
+                except Exception:
+                    # The database blinked (or a bug hit one pass): keep the
+                    # process, back off, and try again; the leases protect rows.
+                    failures += 1
+                    logger.exception("dispatch pass failed", extra={"worker": self.worker_id})
+                    self._stop.wait(min(s.poll_interval.total_seconds() * failures, 30.0))
+                    continue
+                handled += count
+                if count:
+                    continue
+                if once:
+                    break
+                self._wake.wait(s.poll_interval.total_seconds())
+        finally:
+            scheduler.shutdown(wait=False)
+            self._stop.set()
+            if listener is not None:
+                listener.join(LISTEN_TIMEOUT_SECONDS * 4)
+        return handled
+
+    def _listen(self) -> None:
+        """PostgreSQL: wake the loop when the insert trigger NOTIFYs ``outbox_pending``."""
+        import psycopg
+
+        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        delay = 0.1
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
+                    self._wake.set()  # rows may have committed before LISTEN took effect
+                    delay = 0.1
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=LISTEN_TIMEOUT_SECONDS):
+                            self._wake.set()
+            except psycopg.Error:
+                logger.warning(
+                    "LISTEN connection lost; polling until it is back",
+                    exc_info=True,
+                    extra={"worker": self.worker_id},
+                )
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def close(self) -> None:
+        """Stop the delivery threads. Deliveries still running are not waited for."""
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+def cli_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--once", action="store_true", help="deliver every row due now, then exit")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="K",
+        help="deliveries at once (default OUTBOX_CONCURRENCY, 8)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows claimed per transaction (default OUTBOX_CLAIM_BATCH_SIZE, 100)",
+    )
+    parser.add_argument(
+        "--worker-id",
+        default=None,
+        metavar="ID",
+        help="name in leases and attempt rows (default host:pid:random)",
+    )
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {}
+    if args.concurrency is not None:
+        overrides["concurrency"] = args.concurrency
+    if args.batch is not None:
+        overrides["claim_batch_size"] = args.batch
+    config = settings.load(**overrides)
+    logs.configure(config.log_format, config.log_level)
+    engine = db.create_engine(config, url=args.database_url)
+    registry: adapters.Registry | None = None
+    dispatcher: Dispatcher | None = None
+    try:
+        db.check_schema(engine)
+        try:
+            registry = adapters.load_registry(config.adapters)
+        except adapters.AdapterError as exc:
+            raise errors.ConfigError(str(exc)) from exc
+        dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
+        if config.dispatcher_metrics_port:
+            metrics.serve(engine, config.metrics_host, config.dispatcher_metrics_port)
+        stopper = dispatcher
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            logger.info(
+                "%s: stopping; in-flight deliveries have %.0fs",
+                signal.Signals(signum).name,
+                config.shutdown_grace.total_seconds(),
+                extra={"worker": stopper.worker_id},
+            )
+            stopper.request_stop()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        logger.info(
+            "dispatcher started on %s (adapters: %s)",
+            db.database_label(engine),
+            ", ".join(registry.names()),
+            extra={"worker": dispatcher.worker_id},
+        )
+        try:
+            handled = dispatcher.run(once=args.once)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        logger.info(
+            "dispatcher stopped",
+            extra={"count": handled, "worker": dispatcher.worker_id},
+        )
+        return 0
+    finally:
+        if dispatcher is not None:
+            dispatcher.close()
+        if registry is not None:
+            registry.close()
+        engine.dispose()

@@ -1,0 +1,225 @@
+"""Helpers for the dispatcher tests: seeding rows, reading them back, provider plumbing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from sqlalchemy.engine import Engine
+from starlette.applications import Starlette
+
+import adapters
+from adapters import helpdesk
+from fake_provider import FaultSpec
+from fake_provider.testing import ProviderTransport
+from outbox import create, db, digest, schema, states
+from tests.support.servers import serve_in_thread
+
+TENANT = "acme"
+
+
+def seed(
+    engine: Engine,
+    count: int,
+    *,
+    now: datetime,
+    adapter: str = "helpdesk",
+    deadline: timedelta = timedelta(minutes=15),
+    payloads: Sequence[dict[str, Any]] | None = None,
+    prefix: str = "op",
+) -> list[int]:
+    """Insert ``count`` pending effects (with their operations) in one transaction; ids in order."""
+    payloads = payloads or [
+        {"subject": f"ticket {i}", "body": "", "priority": "normal"} for i in range(count)
+    ]
+    with db.write(engine) as conn:
+        exists = conn.execute(
+            sa.select(schema.tenants.c.id).where(schema.tenants.c.id == TENANT)
+        ).first()
+        if exists is None:
+            conn.execute(sa.insert(schema.tenants), {"id": TENANT, "created_at": now})
+        conn.execute(
+            sa.insert(schema.operations),
+            [
+                {
+                    "tenant": TENANT,
+                    "operation_id": f"{prefix}-{i}",
+                    "tool": "create_support_task",
+                    "payload_version": 1,
+                    "args_digest": "0" * 64,
+                    "receipt": "{}",
+                    "status_code": 201,
+                    "created_at": now,
+                    "expires_at": now + timedelta(days=30),
+                }
+                for i in range(count)
+            ],
+        )
+        conn.execute(
+            sa.insert(schema.outbox),
+            [
+                {
+                    "tenant": TENANT,
+                    "operation_id": f"{prefix}-{i}",
+                    "effect": "open_ticket",
+                    "adapter": adapter,
+                    "payload": digest.canonical_json(payloads[i]).decode("utf-8"),
+                    "effect_key": create.new_effect_key(),
+                    "status": states.EffectStatus.PENDING,
+                    "reason": states.Reason.CREATED,
+                    "attempts": 0,
+                    "maybe_sent": False,
+                    "next_attempt_at": now,
+                    "deadline_at": now + deadline,
+                    "fence": 0,
+                    "needs_review": False,
+                    "lookup_attempts": 0,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                for i in range(count)
+            ],
+        )
+        ids = conn.execute(
+            sa.select(schema.outbox.c.id)
+            .where(schema.outbox.c.operation_id.like(f"{prefix}-%"))
+            .order_by(schema.outbox.c.id)
+        ).scalars()
+        return list(ids)
+
+
+def rows(engine: Engine) -> dict[int, Any]:
+    with db.read(engine) as conn:
+        return {r.id: r for r in conn.execute(sa.select(schema.outbox).order_by("id"))}
+
+
+def row(engine: Engine, effect_id: int) -> Any:
+    return rows(engine)[effect_id]
+
+
+def attempts(engine: Engine, effect_id: int | None = None) -> list[Any]:
+    a = schema.attempts
+    query = sa.select(a).order_by(a.c.effect_id, a.c.attempt_no)
+    if effect_id is not None:
+        query = query.where(a.c.effect_id == effect_id)
+    with db.read(engine) as conn:
+        return list(conn.execute(query))
+
+
+def statuses(engine: Engine) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in rows(engine).values():
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return counts
+
+
+# --- the fake provider, in-process (ASGI) or on a real socket --------------------------
+
+
+class RecordingHTTPTransport(httpx.HTTPTransport):
+    """A real socket transport that remembers every request it sent."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.requests: list[httpx.Request] = []
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.requests.append(request)
+        return super().handle_request(request)
+
+
+class PortalTransport(httpx.BaseTransport):
+    """A sync transport into the ASGI app, with socket-like drops and read timeouts.
+
+    ``fake_provider.testing.ProviderTransport`` is async; the adapters are sync
+    (a thread pool sends). One blocking portal runs the app's event loop.
+    """
+
+    def __init__(self, app: Starlette, portal: BlockingPortal) -> None:
+        self._inner = ProviderTransport(app)
+        self._portal = portal
+        self.requests: list[httpx.Request] = []
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.requests.append(request)
+
+        async def exchange() -> httpx.Response:
+            response = await self._inner.handle_async_request(request)
+            body = await response.aread()
+            return httpx.Response(
+                response.status_code, headers=response.headers, content=body, request=request
+            )
+
+        return self._portal.call(exchange)
+
+
+@dataclass
+class Provider:
+    app: Starlette
+    base_url: str
+    transport: RecordingHTTPTransport | PortalTransport
+    made: list[adapters.Adapter] = field(default_factory=list)
+
+    def adapter(
+        self, *, honours: bool = True, lookup: bool = True, settle: float = 1.0, **overrides: Any
+    ) -> adapters.Adapter:
+        adapter = helpdesk.helpdesk_adapter(
+            self.base_url,
+            transport=self.transport,
+            capabilities=adapters.Capabilities(honours, lookup, settle),
+            **overrides,
+        )
+        self.made.append(adapter)
+        return adapter
+
+    def faults(self, script: Sequence[str] = (), **rates: float) -> None:
+        spec = FaultSpec.from_json({"script": list(script), "rates": rates})
+        self.app.state.faults.replace(spec)
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self.app.state.ledger.stats()
+        return stats
+
+    def tickets(self) -> list[dict[str, Any]]:
+        return [t.to_effect() for t in self.app.state.ledger.tickets()]
+
+    def keys_sent(self) -> list[str]:
+        return [r.headers["Idempotency-Key"] for r in self.transport.requests]
+
+    def bodies_sent(self) -> list[dict[str, Any]]:
+        return [json.loads(r.content) for r in self.transport.requests]
+
+
+@contextmanager
+def provider_on(app: Starlette, kind: str) -> Iterator[Provider]:
+    made: list[adapters.Adapter] = []
+    try:
+        if kind == "asgi":
+            with start_blocking_portal() as portal:
+                provider = Provider(app, "http://provider.test", PortalTransport(app, portal), made)
+                yield provider
+                for adapter in made:
+                    adapter.close()
+                made.clear()
+        else:
+            with serve_in_thread(app) as base_url:
+                yield Provider(app, base_url, RecordingHTTPTransport(), made)
+                for adapter in made:
+                    adapter.close()
+                made.clear()
+    finally:
+        for adapter in made:
+            adapter.close()
+        app.state.ledger.close()
