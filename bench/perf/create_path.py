@@ -1,0 +1,229 @@
+"""Cases 1 and 2: the create path and the replay path, next to raw inserts.
+
+Outbox: ``Outbox(url).execute(tenant, op_id, "create_support_task", args)``,
+each call its own transaction (task + operation record + outbox row).
+Baseline: the driver itself (psycopg / sqlite3), one business row plus one
+outbox row per transaction, the same columns, values and indexes.
+Replay: the same keys again, every call answered from the stored receipt.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from bench.perf import harness
+
+TOOL = "create_support_task"
+BODY = "The parcel was promised for Tuesday and has not arrived; please chase the carrier. " * 2
+MAX_OPS = 500_000
+WARMUP_OPS = 20
+
+
+def arguments(client: int, i: int) -> dict[str, Any]:
+    return {"subject": f"Bench task {client}-{i}", "body": BODY, "priority": "normal"}
+
+
+def _key(prefix: str, client: int, i: int) -> str:
+    return f"{prefix}-{client}-{i}"
+
+
+def outbox_client(
+    *,
+    client: int,
+    start_at: float,
+    end_at: float,
+    url: str,
+    prefix: str,
+    created: list[int] | None = None,
+) -> dict[str, Any]:
+    """``created`` set: replay those keys (cyclically); otherwise create new ones."""
+    from outbox import Outbox, settings
+
+    config = settings.load(sqlite_synchronous="NORMAL")
+    box = Outbox(url, config=config)
+    try:
+        for i in range(WARMUP_OPS):
+            box.execute(harness.TENANT, _key(f"{prefix}w", client, i), TOOL, arguments(client, i))
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        ops = 0
+        if created is None:
+            while ops < MAX_OPS and time.monotonic() < end_at:
+                box.execute(harness.TENANT, _key(prefix, client, ops), TOOL, arguments(client, ops))
+                ops += 1
+        else:
+            pool = created[client]
+            while ops < MAX_OPS and time.monotonic() < end_at:
+                i = ops % pool
+                result = box.execute(
+                    harness.TENANT, _key(prefix, client, i), TOOL, arguments(client, i)
+                )
+                assert result.replayed
+                ops += 1
+        return {"ops": ops, "started": started, "ended": time.monotonic()}
+    finally:
+        box.close()
+
+
+def _rows(client: int, i: int, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    args = arguments(client, i)
+    op = f"raw-{client}-{i}"
+    task = {
+        "tenant": harness.TENANT,
+        "subject": args["subject"],
+        "body": args["body"],
+        "priority": args["priority"],
+        "status": "open",
+        "operation_id": op,
+        "created_at": now,
+        "updated_at": now,
+    }
+    payload = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    effect = {
+        "tenant": harness.TENANT,
+        "operation_id": op,
+        "effect": "open_ticket",
+        "adapter": "helpdesk",
+        "payload": payload,
+        "effect_key": f"obx_{uuid.uuid4().hex}",
+        "status": "pending",
+        "reason": "created",
+        "attempts": 0,
+        "maybe_sent": False,
+        "next_attempt_at": now,
+        "deadline_at": now + timedelta(minutes=15),
+        "fence": 0,
+        "needs_review": False,
+        "lookup_attempts": 0,
+        "created_at": now,
+        "updated_at": now,
+    }
+    return task, effect
+
+
+def _insert_sql(table: str, row: dict[str, Any], style: str, returning: str = "") -> str:
+    columns = ", ".join(row)
+    marks = ", ".join(f"%({c})s" if style == "pyformat" else f":{c}" for c in row)
+    return f"INSERT INTO {table} ({columns}) VALUES ({marks}){returning}"
+
+
+def raw_postgres_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    import psycopg
+
+    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, options="-c timezone=UTC") as conn:
+        task, effect = _rows(client, 0, datetime.now(UTC))
+        task_sql = _insert_sql("raw_tasks", task, "pyformat", " RETURNING id")
+        effect_sql = _insert_sql("raw_outbox", effect, "pyformat")
+        cur = conn.cursor()
+
+        def one(i: int) -> None:
+            task, effect = _rows(client, i, datetime.now(UTC))
+            cur.execute(task_sql, task)
+            cur.fetchone()
+            cur.execute(effect_sql, effect)
+            conn.commit()
+
+        for i in range(WARMUP_OPS):
+            one(-1 - i)
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        ops = 0
+        while ops < MAX_OPS and time.monotonic() < end_at:
+            one(ops)
+            ops += 1
+        return {"ops": ops, "started": started, "ended": time.monotonic()}
+
+
+def _sqlite_ts(value: datetime) -> str:
+    return value.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")
+
+
+def raw_sqlite_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    path = sa.make_url(url).database
+    assert path
+    conn = sqlite3.connect(path, isolation_level=None, timeout=5, check_same_thread=False)
+    for pragma in (
+        "journal_mode=WAL",
+        "foreign_keys=ON",
+        "synchronous=NORMAL",
+        "busy_timeout=5000",
+    ):
+        conn.execute(f"PRAGMA {pragma}")
+    task, effect = _rows(client, 0, datetime.now(UTC))
+    task_sql = _insert_sql("raw_tasks", task, "named", " RETURNING id")
+    effect_sql = _insert_sql("raw_outbox", effect, "named")
+
+    def one(i: int) -> None:
+        task, effect = _rows(client, i, datetime.now(UTC))
+        for row in (task, effect):
+            for k, v in row.items():
+                if isinstance(v, datetime):
+                    row[k] = _sqlite_ts(v)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(task_sql, task).fetchone()
+        conn.execute(effect_sql, effect)
+        conn.execute("COMMIT")
+
+    try:
+        for i in range(WARMUP_OPS):
+            one(-1 - i)
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        ops = 0
+        while ops < MAX_OPS and time.monotonic() < end_at:
+            one(ops)
+            ops += 1
+        return {"ops": ops, "started": started, "ended": time.monotonic()}
+    finally:
+        conn.close()
+
+
+RAW_CLIENT = {"postgres": raw_postgres_client, "sqlite": raw_sqlite_client}
+
+
+def run(ctx: Any) -> None:
+    """Cases 1 and 2, interleaved over ``ctx.reps`` repetitions (case 2 replays case 1's keys)."""
+    for rep in range(ctx.reps):
+        for backend in ctx.backends:
+            for clients in ctx.create_clients:
+                for system in harness.rotated(["raw", "outbox"], rep):
+                    url = ctx.scratch.fresh(backend)
+                    try:
+                        _measure(ctx, rep, backend, clients, system, url)
+                    finally:
+                        ctx.scratch.drop(url)
+
+
+def _measure(ctx: Any, rep: int, backend: str, clients: int, system: str, url: str) -> None:
+    common = {"db": backend, "clients": clients, "rep": rep}
+    if system == "raw":
+        reports = ctx.clients.run(RAW_CLIENT[backend], clients, ctx.create_seconds, url=url)
+        ops, span = harness.throughput(reports)
+        ctx.out.emit(
+            case="create", system="raw", **common, ops=ops, seconds=span, ops_per_s=ops / span
+        )
+        return
+    prefix = f"r{rep}"
+    reports = ctx.clients.run(outbox_client, clients, ctx.create_seconds, url=url, prefix=prefix)
+    ops, span = harness.throughput(reports)
+    ctx.out.emit(
+        case="create", system="outbox", **common, ops=ops, seconds=span, ops_per_s=ops / span
+    )
+    if 2 not in ctx.cases:
+        return
+    created = [r["ops"] for r in reports]
+    reports = ctx.clients.run(
+        outbox_client, clients, ctx.create_seconds, url=url, prefix=prefix, created=created
+    )
+    ops, span = harness.throughput(reports)
+    ctx.out.emit(
+        case="replay", system="outbox", **common, ops=ops, seconds=span, ops_per_s=ops / span
+    )

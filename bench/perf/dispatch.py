@@ -1,0 +1,205 @@
+"""Case 3: draining a pre-filled backlog with a no-op adapter.
+
+Outbox: ``Dispatcher.run_once`` in a loop, in 1 and 2 processes, with
+``adapters.testing.NoopAdapter``: every claim still opens an attempt row per
+effect before the send, and every result is still recorded under its fence.
+Baseline: a raw claim loop on the same table and rows (claim 100 with
+``FOR UPDATE SKIP LOCKED`` in one UPDATE ... RETURNING, commit, then one batched
+acknowledgement), no attempt rows. Peers: pgqueuer and procrastinate draining
+the same number of jobs with no-op handlers (PostgreSQL only).
+
+Each drain runs for a bounded window over a backlog larger than it can finish,
+so the figure is the steady-state rate, not a tail.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from bench.perf import backlog, harness, peers
+
+BATCH = 100
+RAW_CLAIM_PG = """
+UPDATE outbox SET status = 'in_flight', reason = 'claimed', lease_owner = %(owner)s,
+    lease_expires_at = now() + interval '60 seconds', fence = fence + 1,
+    attempts = attempts + 1, updated_at = now()
+WHERE id IN (
+    SELECT id FROM outbox WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+RETURNING id, effect_key, payload, fence
+"""
+RAW_ACK_PG = """
+UPDATE outbox SET status = 'succeeded', reason = 'delivered', provider_ref = 'noop-' || effect_key,
+    finished_at = now(), lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE id = ANY(%(ids)s)
+"""
+RAW_CLAIM_SQLITE = """
+UPDATE outbox SET status = 'in_flight', reason = 'claimed', lease_owner = :owner,
+    lease_expires_at = :lease, fence = fence + 1, attempts = attempts + 1, updated_at = :now
+WHERE id IN (
+    SELECT id FROM outbox WHERE status = 'pending' AND next_attempt_at <= :now
+    ORDER BY next_attempt_at, id LIMIT :limit)
+RETURNING id, effect_key, payload, fence
+"""
+RAW_ACK_SQLITE = """
+UPDATE outbox SET status = 'succeeded', reason = 'delivered', provider_ref = 'noop-' || effect_key,
+    finished_at = :now, lease_owner = NULL, lease_expires_at = NULL, updated_at = :now
+WHERE id IN ({marks})
+"""
+
+
+def _noop(row: Any) -> str:
+    return f"noop-{row[1]}"
+
+
+def raw_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    owner = f"raw-{client}-{uuid.uuid4().hex[:6]}"
+    if sa.make_url(url).get_backend_name() == "sqlite":
+        return _raw_drain_sqlite(owner, start_at, end_at, url)
+    with psycopg.connect(backlog.conninfo(url)) as conn:
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        done = 0
+        while time.monotonic() < end_at:
+            rows = conn.execute(RAW_CLAIM_PG, {"owner": owner, "limit": BATCH}).fetchall()
+            conn.commit()
+            if not rows:
+                break
+            for row in rows:
+                _noop(row)
+            conn.execute(RAW_ACK_PG, {"ids": [r[0] for r in rows]})
+            conn.commit()
+            done += len(rows)
+        return {"ops": done, "started": started, "ended": time.monotonic()}
+
+
+def _raw_drain_sqlite(owner: str, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    from datetime import UTC, datetime, timedelta
+
+    conn = sqlite3.connect(sa.make_url(url).database or "", isolation_level=None, timeout=5)
+    for pragma in (
+        "journal_mode=WAL",
+        "foreign_keys=ON",
+        "synchronous=NORMAL",
+        "busy_timeout=5000",
+    ):
+        conn.execute(f"PRAGMA {pragma}")
+
+    def ts(value: datetime) -> str:
+        return value.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")
+
+    try:
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        done = 0
+        while time.monotonic() < end_at:
+            now = datetime.now(UTC)
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(
+                RAW_CLAIM_SQLITE,
+                {
+                    "owner": owner,
+                    "lease": ts(now + timedelta(seconds=60)),
+                    "now": ts(now),
+                    "limit": BATCH,
+                },
+            ).fetchall()
+            conn.execute("COMMIT")
+            if not rows:
+                break
+            for row in rows:
+                _noop(row)
+            ids = [r[0] for r in rows]
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                RAW_ACK_SQLITE.format(marks=",".join("?" * len(ids))).replace(":now", "?"),
+                [ts(datetime.now(UTC)), ts(datetime.now(UTC)), *ids],
+            )
+            conn.execute("COMMIT")
+            done += len(rows)
+        return {"ops": done, "started": started, "ended": time.monotonic()}
+    finally:
+        conn.close()
+
+
+def dispatcher(
+    url: str, adapter_names: tuple[str, ...] = (backlog.NOOP_ADAPTER,), **overrides: Any
+) -> Any:
+    """A ``Dispatcher`` with no-op adapters, as ``outbox dispatcher`` would build it."""
+    import adapters
+    from adapters.testing import NoopAdapter
+    from outbox import db, settings
+    from outbox.dispatcher import Dispatcher
+
+    config = settings.load(sqlite_synchronous="NORMAL", claim_batch_size=BATCH, **overrides)
+    engine = db.create_engine(config, url=url)
+    registry = adapters.Registry([NoopAdapter(name) for name in adapter_names])
+    return Dispatcher(engine, registry, config, worker_id=f"bench-{uuid.uuid4().hex[:8]}")
+
+
+def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    d = dispatcher(url)
+    try:
+        harness.wait_until(start_at)
+        started = time.monotonic()
+        done = 0
+        while time.monotonic() < end_at:
+            handled = d.run_once()
+            if handled == 0:
+                break
+            done += handled
+        return {"ops": done, "started": started, "ended": time.monotonic()}
+    finally:
+        d.close()
+        d.adapters.close()
+        d.engine.dispose()
+
+
+SYSTEMS = {"outbox": outbox_drain, "raw": raw_drain}
+
+
+def run(ctx: Any) -> None:
+    seconds = 3.0 if ctx.quick else 6.0
+    for rep in range(ctx.reps):
+        for backend in ctx.backends:
+            variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1)]
+            if backend == "postgres":
+                variants += [("outbox", 2), ("raw", 2)]
+                variants += [(name, 1) for name in peers.DRAINERS if peers.available(name)]
+            for system, processes in harness.rotated(variants, rep):
+                _measure(ctx, rep, backend, system, processes, seconds)
+
+
+def _measure(ctx: Any, rep: int, backend: str, system: str, processes: int, seconds: float) -> None:
+    if system in peers.DRAINERS:
+        url = ctx.scratch.postgres(migrated=False)
+        try:
+            ctx.clients.call(peers.prepare_backlog, system, url, ctx.backlog)
+            reports = ctx.clients.run(peers.DRAINERS[system], processes, seconds, url=url)
+        finally:
+            ctx.scratch.drop(url)
+    else:
+        url = ctx.scratch.fresh(backend)
+        try:
+            backlog.fill(url, ctx.backlog)
+            reports = ctx.clients.run(SYSTEMS[system], processes, seconds, url=url)
+        finally:
+            ctx.scratch.drop(url)
+    done, span = harness.throughput(reports)
+    ctx.out.emit(
+        case="dispatch",
+        system=system,
+        db=backend,
+        processes=processes,
+        rep=rep,
+        backlog=ctx.backlog,
+        effects=done,
+        seconds=span,
+        effects_per_s=done / span,
+    )

@@ -1,0 +1,286 @@
+"""Medians, ratios to the same run's baseline, and the issue's targets, as a table.
+
+Every measurement is one row (``case``, ``system``, ``db``, variant fields,
+figures). The table groups rows by (case, db, variant, system), takes the
+median of each figure over the repetitions, divides by the baseline's median
+from the same run, and checks the target that applies. A missed target is
+printed as missed, with its ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+VARIANT_KEYS = ("clients", "processes", "concurrency", "rate", "finished")
+# The figure each case is judged by, and whether bigger is better.
+METRICS: dict[str, list[tuple[str, bool]]] = {
+    "create": [("ops_per_s", True)],
+    "replay": [("ops_per_s", True)],
+    "dispatch": [("effects_per_s", True)],
+    "latency": [("p50_ms", False), ("p90_ms", False), ("p99_ms", False), ("max_ms", False)],
+    "http": [("effects_per_s", True)],
+    "scale": [("effects_per_s", True)],
+    "rss": [("growth_pct", False), ("rss_end_mib", False)],
+}
+# case -> (baseline system, variant override): what each figure is divided by.
+# Replay is judged against the create path of the same run.
+BASELINE: dict[str, tuple[str | None, str | None]] = {
+    "create": ("raw", None),
+    "replay": ("outbox", None),
+    "dispatch": ("raw", None),
+    "latency": ("raw", None),
+    "http": ("provider", None),
+    "scale": ("outbox", "finished=0"),
+    "rss": (None, None),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    case: str
+    db: str
+    variant: str
+    system: str
+    metric: str
+    kind: str  # "ratio>=", "ratio<=", ">=", "<=", "<system", ">system"
+    bound: float | str
+    text: str
+
+
+TARGETS = [
+    Target(
+        "create", "postgres", "clients=1", "outbox", "ops_per_s", "ratio>=", 0.85, ">=0.85x raw"
+    ),
+    Target("create", "sqlite", "clients=1", "outbox", "ops_per_s", "ratio>=", 0.25, ">=0.25x raw"),
+    Target("create", "sqlite", "clients=1", "outbox", "ops_per_s", ">=", 5000, ">=5000/s"),
+    Target("replay", "postgres", "clients=1", "outbox", "ops_per_s", "ratio>=", 2.0, ">=2x create"),
+    Target("replay", "postgres", "clients=4", "outbox", "ops_per_s", "ratio>=", 2.0, ">=2x create"),
+    Target("replay", "sqlite", "clients=1", "outbox", "ops_per_s", "ratio>=", 2.0, ">=2x create"),
+    Target("replay", "sqlite", "clients=4", "outbox", "ops_per_s", "ratio>=", 2.0, ">=2x create"),
+    Target(
+        "dispatch",
+        "postgres",
+        "processes=1",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.7,
+        ">=0.7x raw",
+    ),
+    Target(
+        "dispatch",
+        "postgres",
+        "processes=1",
+        "outbox",
+        "effects_per_s",
+        ">system",
+        "pgqueuer",
+        "> pgqueuer",
+    ),
+    Target(
+        "dispatch",
+        "postgres",
+        "processes=1",
+        "outbox",
+        "effects_per_s",
+        ">system",
+        "procrastinate",
+        "> procrastinate",
+    ),
+    Target(
+        "dispatch",
+        "postgres",
+        "processes=2",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.6,
+        ">=0.6x raw",
+    ),
+    Target(
+        "dispatch", "sqlite", "processes=1", "outbox", "effects_per_s", ">=", 10000, ">=10000/s"
+    ),
+    Target("latency", "postgres", "rate=200", "outbox", "p50_ms", "ratio<=", 1.5, "<=1.5x raw"),
+    Target("latency", "postgres", "rate=200", "outbox", "p99_ms", "<=", 2.5, "<=2.5 ms"),
+    Target(
+        "latency", "postgres", "rate=200", "outbox", "p99_ms", "<system", "pgqueuer", "< pgqueuer"
+    ),
+    Target("latency", "sqlite", "rate=200", "outbox", "p99_ms", "<=", "poll+1", "<=poll+1 ms"),
+    Target(
+        "http",
+        "sqlite",
+        "concurrency=32",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.8,
+        ">=0.8x provider",
+    ),
+    Target(
+        "http",
+        "postgres",
+        "concurrency=32",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.8,
+        ">=0.8x provider",
+    ),
+    Target(
+        "scale",
+        "postgres",
+        "finished=1000000",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.8,
+        ">=0.8x empty",
+    ),
+    Target(
+        "scale",
+        "sqlite",
+        "finished=1000000",
+        "outbox",
+        "effects_per_s",
+        "ratio>=",
+        0.8,
+        ">=0.8x empty",
+    ),
+    Target("rss", "postgres", "", "outbox", "growth_pct", "<=", 10.0, "<=10% growth"),
+    Target("rss", "sqlite", "", "outbox", "growth_pct", "<=", 10.0, "<=10% growth"),
+]
+
+
+def variant_of(row: dict[str, Any]) -> str:
+    return ",".join(f"{k}={row[k]}" for k in VARIANT_KEYS if k in row)
+
+
+def _key(case: str, db: str, variant: str, system: str) -> tuple[str, str, str, str]:
+    return (case, db, variant, system)
+
+
+def build(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (case, db, variant, system, metric): median, baseline, ratio, target."""
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        key = _key(row["case"], row["db"], variant_of(row), row["system"])
+        groups.setdefault(key, []).append(row)
+    medians: dict[tuple[str, str, str, str, str], float] = {}
+    extras: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for key, members in groups.items():
+        for metric, _ in METRICS.get(key[0], []):
+            values = [m[metric] for m in members if isinstance(m.get(metric), int | float)]
+            if values:
+                medians[(*key, metric)] = statistics.median(values)
+        extras[key] = {
+            "n": len(members),
+            "note": next((m["note"] for m in members if m.get("note")), ""),
+            "poll_ms": next((m["poll_ms"] for m in members if "poll_ms" in m), None),
+        }
+    table = []
+    for (case, db, variant, system, metric), value in medians.items():
+        base_system, base_variant = BASELINE.get(case, (None, None))
+        base_key: tuple[str, str, str, str, str] | None = None
+        if case == "replay":
+            base_key = ("create", db, variant, "outbox", metric)
+        elif base_system is not None:
+            base_key = (case, db, base_variant or variant, base_system, metric)
+        if base_key == (case, db, variant, system, metric):
+            base_key = None
+        baseline = medians.get(base_key) if base_key else None
+        ratio = value / baseline if baseline else None
+        entry = {
+            "case": case,
+            "db": db,
+            "variant": variant,
+            "system": system,
+            "metric": metric,
+            "median": value,
+            "baseline": f"{base_key[0]}/{base_key[3]} {base_key[2]}"
+            if base_key and baseline
+            else "",
+            "ratio": ratio,
+            "n": extras[(case, db, variant, system)]["n"],
+            "note": extras[(case, db, variant, system)]["note"],
+            "target": "",
+            "met": None,
+        }
+        for target in TARGETS:
+            if (target.case, target.db, target.variant, target.system, target.metric) != (
+                case,
+                db,
+                variant,
+                system,
+                metric,
+            ):
+                continue
+            met = _check(target, value, ratio, medians, extras[(case, db, variant, system)])
+            entry["target"] = (entry["target"] + "; " if entry["target"] else "") + target.text
+            entry["met"] = met if entry["met"] is None else (entry["met"] and met)
+        table.append(entry)
+    order = list(METRICS)
+    table.sort(
+        key=lambda e: (
+            order.index(e["case"]),
+            e["db"],
+            e["variant"],
+            e["system"] != "outbox",
+            e["system"],
+        )
+    )
+    return table
+
+
+def _check(
+    target: Target,
+    value: float,
+    ratio: float | None,
+    medians: dict[tuple[str, str, str, str, str], float],
+    extra: dict[str, Any],
+) -> bool:
+    if target.kind == "ratio>=":
+        return ratio is not None and ratio >= float(target.bound)
+    if target.kind == "ratio<=":
+        return ratio is not None and ratio <= float(target.bound)
+    if target.kind in (">=", "<="):
+        bound = float(target.bound) if target.bound != "poll+1" else (extra.get("poll_ms") or 0) + 1
+        return value >= bound if target.kind == ">=" else value <= bound
+    other = medians.get((target.case, target.db, target.variant, str(target.bound), target.metric))
+    if other is None:
+        return False
+    return value > other if target.kind == ">system" else value < other
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def render(table: list[dict[str, Any]]) -> str:
+    """A Markdown table (it is pasted into docs/performance.md as it is)."""
+    head = ["case", "db", "variant", "system", "figure", "median", "vs", "ratio", "target", "met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in table:
+        met = "" if e["met"] is None else ("yes" if e["met"] else "**MISSED**")
+        cells = [
+            e["case"],
+            e["db"],
+            e["variant"] or "-",
+            e["system"] + (f" ({e['note']})" if e["note"] else ""),
+            e["metric"],
+            _fmt(e["median"]),
+            e["baseline"] or "-",
+            f"{e['ratio']:.2f}x" if e["ratio"] is not None else "-",
+            e["target"],
+            met,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
