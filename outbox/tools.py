@@ -126,9 +126,12 @@ HELPDESK_ADAPTER = "helpdesk"
 OPEN_TICKET_EFFECT = "open_ticket"
 
 
+_INSERT_TASK = sa.insert(schema.tasks).returning(schema.tasks.c.id)  # built once: hot path
+
+
 def create_support_task(ctx: ToolContext, args: SupportTaskArgs) -> ToolOutput:
     task_id = ctx.conn.execute(
-        sa.insert(schema.tasks).returning(schema.tasks.c.id),
+        _INSERT_TASK,
         {
             "tenant": ctx.tenant,
             "subject": args.subject,
