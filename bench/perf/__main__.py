@@ -43,15 +43,15 @@ class Context:
     full_size: bool
     deadline: float
     create_clients: tuple[int, ...] = (1, 4)
-    create_seconds: float = 3.0
-    backlog: int = 100_000
+    create_seconds: float = 2.0
+    backlog: int = 50_000
     latency_rate: float = 200.0
-    latency_seconds: float = 10.0
+    latency_seconds: float = 4.0
     http_concurrency: tuple[int, ...] = (1, 8, 32)
     http_effects: int = 10_000
-    scale_effects: int = 10_000
-    scale_finished: int = 200_000
-    rss_effects: int = 50_000
+    scale_effects: int = 5_000
+    scale_finished: int = 100_000
+    rss_effects: int = 30_000
     cases: tuple[int, ...] = ALL_CASES
     skipped: list[str] = field(default_factory=list)
 
@@ -70,8 +70,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--full-size",
         action="store_true",
-        help="case 6 at the issue's full size (1,000,000 finished rows, 1,000,000-effect RSS "
-        "drain); takes far longer than 10 minutes",
+        help="the issue's full sizes (100,000-effect backlog, 10 s latency runs, 1,000,000 "
+        "finished rows, 1,000,000-effect RSS drain); takes far longer than 10 minutes",
     )
     parser.add_argument(
         "--pg-url",
@@ -165,14 +165,17 @@ def main() -> int:
     )
     if quick:
         ctx.create_clients = (1,)
-        ctx.create_seconds = 1.0
+        ctx.create_seconds = 0.8
         ctx.backlog = 10_000
-        ctx.latency_seconds = 3.0
+        ctx.latency_seconds = 2.0
         ctx.http_concurrency = (1, 32)
         ctx.scale_effects = 5_000
         ctx.scale_finished = 100_000
         ctx.rss_effects = 20_000
     if args.full_size:
+        ctx.backlog = 100_000
+        ctx.latency_seconds = 10.0
+        ctx.scale_effects = 10_000
         ctx.scale_finished = 1_000_000
         ctx.rss_effects = 1_000_000
         ctx.deadline = started + 3600

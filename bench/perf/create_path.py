@@ -59,11 +59,15 @@ def outbox_client(
                 box.execute(harness.TENANT, _key(prefix, client, ops), TOOL, arguments(client, ops))
                 ops += 1
         else:
-            pool = created[client]
+            # A client starved of the write lock may have created nothing: it replays
+            # its warm-up keys instead.
+            pool, keys = (
+                (created[client], prefix) if created[client] else (WARMUP_OPS, f"{prefix}w")
+            )
             while ops < MAX_OPS and time.monotonic() < end_at:
                 i = ops % pool
                 result = box.execute(
-                    harness.TENANT, _key(prefix, client, i), TOOL, arguments(client, i)
+                    harness.TENANT, _key(keys, client, i), TOOL, arguments(client, i)
                 )
                 assert result.replayed
                 ops += 1

@@ -229,7 +229,9 @@ def run(ctx: Any) -> None:
         for backend in ctx.backends:
             systems = ["outbox"]
             if backend == "postgres":
-                systems += ["raw"] + [name for name in peers.DRAINERS if peers.available(name)]
+                systems += ["raw"]
+                if not ctx.quick:  # quick mode: regressions against the baseline only
+                    systems += [name for name in peers.DRAINERS if peers.available(name)]
             for system in harness.rotated(systems, rep):
                 _measure(ctx, rep, backend, system, seconds)
 
