@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import adapters
-from fake_provider import ProviderConfig, create_app
+from fake_provider import Mode, ProviderConfig, create_app
 from outbox import db, settings
 from outbox.dispatcher import Dispatcher
 from tests.dispatcher.support import Provider, provider_on
@@ -76,6 +76,8 @@ def make_provider(transport_kind: str) -> Iterator[MakeProvider]:
     stack: list[Any] = []
 
     def make(**fields: Any) -> Provider:
+        if "mode" in fields:
+            fields["mode"] = Mode(fields["mode"])
         app = create_app(ProviderConfig(**{"seed": 0, **fields}))
         context = provider_on(app, transport_kind)
         provider = context.__enter__()
