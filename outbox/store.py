@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -269,9 +269,18 @@ def _claim(
         ),
         key=lambda c: c.id,
     )
-    if claimed:
+    if claimed and not _is_pg(conn):
         # Commit before sending: an open attempt is our only evidence that the
-        # provider may have acted if this process dies mid-send.
+        # provider may have acted if this process dies mid-send. (SQLite: straight
+        # to the driver's executemany; per-row bind processing would cost more
+        # than the insert itself.)
+        started = _sqlite_time(now)
+        conn.exec_driver_sql(
+            "INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,"
+            " late) VALUES (?, ?, ?, ?, ?, ?, 0)",
+            [(c.id, c.attempt_no, owner, c.fence, c.effect_key, started) for c in claimed],
+        )
+    elif claimed:
         conn.execute(
             sa.insert(_att),
             [
@@ -288,6 +297,15 @@ def _claim(
             ],
         )
     return claimed
+
+
+def _sqlite_time(value: datetime | None) -> str | None:
+    """A UTC datetime as ``schema.UTCDateTime`` stores it on SQLite (sortable text)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _settle_at_deadline(conn: Connection, rows: list[Candidate], now: datetime) -> None:
@@ -495,6 +513,22 @@ def _write_finishes_pg(conn: Connection, finishes: Sequence[Finish]) -> set[int]
     return held
 
 
+_SQLITE_FINISH_ROW = """
+UPDATE outbox SET
+    status = ?, reason = ?, maybe_sent = ?,
+    next_attempt_at = COALESCE(?, next_attempt_at),
+    lease_owner = NULL, lease_expires_at = NULL,
+    provider_ref = COALESCE(?, provider_ref),
+    last_error = ?, finished_at = ?, next_lookup_at = ?, needs_review = 0, updated_at = ?
+WHERE id = ? AND fence = ? AND status = 'in_flight'
+"""
+_SQLITE_FINISH_ATTEMPT = """
+UPDATE attempts SET finished_at = ?, outcome = ?, status_code = ?, error = ?, provider_ref = ?,
+    late = ?
+WHERE effect_id = ? AND attempt_no = ? AND fence = ?
+"""
+
+
 def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
     # Under BEGIN IMMEDIATE nobody else writes between this read and the
     # updates, so the rows whose fence holds are known before writing.
@@ -507,57 +541,47 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
         )
     }
     held = {f.effect_id for f in finishes if current.get(f.effect_id) == (f.fence, S.IN_FLIGHT)}
-    rows = [
-        {f"b_{k}": v for k, v in _row_params(f).items()} for f in finishes if f.effect_id in held
-    ]
-    if rows:
-        result = conn.execute(
-            sa.update(_out)
-            .where(
-                _out.c.id == sa.bindparam("b_id"),
-                _out.c.fence == sa.bindparam("b_fence"),
-                _out.c.status == S.IN_FLIGHT,
+    # Straight to the driver's executemany: SQLAlchemy's per-row bind processing
+    # costs more than SQLite's update, and this is the hot path.
+    t = _sqlite_time
+    rows = []
+    for f in finishes:
+        if f.effect_id not in held:
+            continue
+        p = _row_params(f)
+        rows.append(
+            (
+                p["status"],
+                p["reason"],
+                p["maybe_sent"],
+                t(p["next_attempt_at"]),
+                p["provider_ref"],
+                p["last_error"],
+                t(p["finished_at"]),
+                t(p["next_lookup_at"]),
+                t(p["updated_at"]),
+                p["id"],
+                p["fence"],
             )
-            .values(
-                status=sa.bindparam("b_status"),
-                reason=sa.bindparam("b_reason"),
-                maybe_sent=sa.bindparam("b_maybe_sent"),
-                next_attempt_at=sa.func.coalesce(
-                    sa.bindparam("b_next_attempt_at", type_=schema.UTCDateTime()),
-                    _out.c.next_attempt_at,
-                ),
-                lease_owner=None,
-                lease_expires_at=None,
-                provider_ref=sa.func.coalesce(
-                    sa.bindparam("b_provider_ref", type_=sa.String()), _out.c.provider_ref
-                ),
-                last_error=sa.bindparam("b_last_error"),
-                finished_at=sa.bindparam("b_finished_at"),
-                next_lookup_at=sa.bindparam("b_next_lookup_at"),
-                needs_review=False,
-                updated_at=sa.bindparam("b_updated_at"),
-            ),
-            rows,
         )
+    if rows:
+        result = conn.exec_driver_sql(_SQLITE_FINISH_ROW, rows)
         if result.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
             raise RuntimeError("a fenced update missed a row it had just seen under the lock")
-    conn.execute(
-        sa.update(_att)
-        .where(
-            _att.c.effect_id == sa.bindparam("b_effect_id"),
-            _att.c.attempt_no == sa.bindparam("b_attempt_no"),
-            _att.c.fence == sa.bindparam("b_fence"),
-        )
-        .values(
-            finished_at=sa.bindparam("b_finished_at", type_=schema.UTCDateTime()),
-            outcome=sa.bindparam("b_outcome"),
-            status_code=sa.bindparam("b_status_code"),
-            error=sa.bindparam("b_error"),
-            provider_ref=sa.bindparam("b_provider_ref"),
-            late=sa.bindparam("b_late"),
-        ),
+    conn.exec_driver_sql(
+        _SQLITE_FINISH_ATTEMPT,
         [
-            {f"b_{k}": v for k, v in _attempt_params(f, f.effect_id not in held).items()}
+            (
+                t(f.at),
+                f.outcome.value,
+                f.status_code,
+                f.error,
+                f.attempt_provider_ref,
+                f.effect_id not in held,
+                f.effect_id,
+                f.attempt_no,
+                f.fence,
+            )
             for f in finishes
         ],
     )
