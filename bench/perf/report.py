@@ -132,7 +132,7 @@ TARGETS = [
     Target(
         "scale",
         "postgres",
-        "finished=1000000",
+        "finished>0",
         "outbox",
         "effects_per_s",
         "ratio>=",
@@ -142,7 +142,7 @@ TARGETS = [
     Target(
         "scale",
         "sqlite",
-        "finished=1000000",
+        "finished>0",
         "outbox",
         "effects_per_s",
         "ratio>=",
@@ -175,6 +175,9 @@ def build(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [m[metric] for m in members if isinstance(m.get(metric), int | float)]
             if values:
                 medians[(*key, metric)] = statistics.median(values)
+            elif any(metric in m for m in members):
+                # Measured as null (e.g. creates never delivered): shown, and fails its target.
+                medians[(*key, metric)] = float("nan")
         extras[key] = {
             "n": len(members),
             "note": next((m["note"] for m in members if m.get("note")), ""),
@@ -191,7 +194,7 @@ def build(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if base_key == (case, db, variant, system, metric):
             base_key = None
         baseline = medians.get(base_key) if base_key else None
-        ratio = value / baseline if baseline else None
+        ratio = value / baseline if baseline and not math.isnan(value) else None
         entry = {
             "case": case,
             "db": db,
@@ -243,6 +246,8 @@ def _check(
     medians: dict[tuple[str, str, str, str, str], float],
     extra: dict[str, Any],
 ) -> bool:
+    if math.isnan(value):
+        return False
     if target.kind == "ratio>=":
         return ratio is not None and ratio >= float(target.bound)
     if target.kind == "ratio<=":
