@@ -121,6 +121,19 @@ class SupportTaskArgs(BaseModel):
     def _strip(cls, value: Any) -> Any:
         return value.strip() if isinstance(value, str) else value
 
+    @field_validator("subject", "body")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        # PostgreSQL cannot store NUL in text, and lone surrogates are not UTF-8:
+        # refuse them here, as a field error, rather than fail in the driver.
+        if "\x00" in value:
+            raise ValueError("must not contain the NUL character")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+        return value
+
 
 HELPDESK_ADAPTER = "helpdesk"
 OPEN_TICKET_EFFECT = "open_ticket"

@@ -96,6 +96,8 @@ def test_tenant_scope_one_key_two_tenants(box: Outbox):
         ({"subject": "ok", "helpdesk": "yes"}, "helpdesk"),
         ({"subject": 42}, "subject"),
         ({"subject": "ok", "colour": "red"}, "colour"),
+        ({"subject": "nul\x00inside"}, "subject"),
+        ({"subject": "ok", "body": "lone \ud800 surrogate"}, "body"),
     ],
 )
 def test_invalid_input_names_the_field_and_writes_nothing(box: Outbox, arguments, field):
