@@ -58,6 +58,22 @@ class ProviderConfig:
     retry_after_seconds: int = RETRY_AFTER_SECONDS_DEFAULT  # sent with 429 and 503
     retry_after_format: RetryAfterFormat = RetryAfterFormat.SECONDS
 
+    def __post_init__(self) -> None:
+        # Accept the plain strings too ("honour", "abort"): a string compared by identity
+        # with an enum member is never equal, and mode="honour" silently ran as ignore.
+        for name, kind in (
+            ("mode", Mode),
+            ("drop_mode", DropMode),
+            ("retry_after_format", RetryAfterFormat),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    choices = ", ".join(m.value for m in kind)
+                    raise ConfigError(f"{name} must be one of {choices} (got {value!r})") from None
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a value that cannot work, naming field and bound."""
         if self.lookup_lag_ms < 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import fake_provider
 
 PACKAGE = Path(fake_provider.__file__).parent
@@ -53,3 +55,12 @@ def test_imports_nothing_of_ours() -> None:
                 continue
             for name in names:
                 assert name.split(".")[0] not in ours, f"{path.name} imports {name}"
+
+
+def test_plain_strings_become_the_enum_members():
+    from fake_provider import ConfigError, Mode, ProviderConfig
+
+    assert ProviderConfig(mode="honour").mode is Mode.HONOUR  # type: ignore[arg-type]
+    assert ProviderConfig(mode="ignore").mode is Mode.IGNORE  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="mode must be one of"):
+        ProviderConfig(mode="maybe")  # type: ignore[arg-type]
