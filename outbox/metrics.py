@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 from sqlalchemy.engine import Engine
 
-from outbox import db, schema
+from outbox import db, errors, schema
 
 DELIVERIES = Counter(
     "outbox_deliveries_total", "Delivery attempts by adapter and outcome", ["adapter", "outcome"]
@@ -110,6 +110,23 @@ class BacklogCollector(Collector):
         )
 
 
+def backlog_registry(engine: Engine) -> CollectorRegistry:
+    """A registry holding only ``engine``'s backlog gauges (one per app or server)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BacklogCollector(engine))
+    return registry
+
+
+def render(backlog: CollectorRegistry) -> bytes:
+    """This process's counters and histograms, then the backlog of its own database.
+
+    The backlog lives in a registry per engine rather than in the global one, so
+    two apps in one process (tests, an embedding program) each report their own
+    database, and a disposed engine never answers for a live one.
+    """
+    return generate_latest(REGISTRY) + generate_latest(backlog)
+
+
 _installed: set[int] = set()
 
 
@@ -125,19 +142,22 @@ def readiness(engine: Engine) -> tuple[bool, str]:
     """Database reachable and schema current."""
     try:
         db.check_schema(engine)
-    except Exception as exc:  # noqa: BLE001 - any failure means "not ready", with its reason
+    except errors.OutboxError as exc:  # the schema guard's own words: what to run
         return False, str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
+        # Driver errors carry host names and SQL: name the kind, keep the rest out.
+        return False, f"database unavailable ({type(exc).__name__})"
     return True, "ready"
 
 
 def serve(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
     """A small metrics/health server for processes without an HTTP API of their own."""
-    install_backlog(engine)
+    backlog = backlog_registry(engine)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/metrics":
-                self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+                self._send(200, render(backlog), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 self._send(200, b'{"status":"ok"}', "application/json")
             elif self.path == "/readyz":
