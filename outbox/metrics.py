@@ -33,6 +33,9 @@ from sqlalchemy.engine import Engine
 
 from outbox import db, errors, schema
 
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The media type of ``render``'s output (Prometheus text format)."""
+
 DELIVERIES = Counter(
     "outbox_deliveries_total", "Delivery attempts by adapter and outcome", ["adapter", "outcome"]
 )
@@ -56,6 +59,19 @@ SWEEP_RUNS = Counter("outbox_sweep_runs_total", "Reconciler sweep passes", ["swe
 OPERATIONS = Counter(
     "outbox_operations_total", "Create calls by result", ["tool", "result"]
 )  # result: created | replayed | conflict | invalid | expired | busy
+
+
+def create_result(error: errors.OutboxError) -> str:
+    """The ``result`` label of ``outbox_operations_total`` for a refused create call."""
+    if isinstance(error, errors.IdempotencyKeyReused):
+        return "conflict"
+    if isinstance(error, errors.OperationExpired):
+        return "expired"
+    if isinstance(error, errors.Busy):
+        return "busy"
+    if isinstance(error, errors.RequestError):
+        return "invalid"
+    return "error"
 
 
 class BacklogCollector(Collector):

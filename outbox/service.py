@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 from collections.abc import Callable
@@ -24,8 +25,10 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 
-from outbox import create, db, errors, retention, schema, settings, states, tools
+from outbox import create, db, errors, metrics, retention, schema, settings, states, tools
 from outbox.create import ExecuteResult
+
+logger = logging.getLogger("outbox.create")
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 TOKEN_PREFIX = "obx_"
@@ -77,6 +80,23 @@ class Outbox:
 
     def execute(self, tenant: str, operation_id: str, tool: str, arguments: Any) -> ExecuteResult:
         """Create once, replay after: see ``outbox.create`` for the contract."""
+        # A label per registered tool only: a caller's typo must not mint a time series.
+        label = tool if tool in self.tools else "unknown"
+        context: dict[str, Any] = {"tenant": tenant, "operation_id": operation_id}
+        try:
+            result = self._execute(tenant, operation_id, tool, arguments)
+        except errors.OutboxError as error:
+            outcome = metrics.create_result(error)
+            metrics.OPERATIONS.labels(label, outcome).inc()
+            # Ids and the kind of refusal only: the arguments may hold a customer's text.
+            logger.info("create refused: %s", outcome, extra={**context, "outcome": outcome})
+            raise
+        outcome = "created" if result.created else "replayed"
+        metrics.OPERATIONS.labels(label, outcome).inc()
+        logger.info("operation %s", outcome, extra={**context, "outcome": outcome})
+        return result
+
+    def _execute(self, tenant: str, operation_id: str, tool: str, arguments: Any) -> ExecuteResult:
         return create.execute(
             self.engine,
             self.tools,

@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+from outbox import logs, metrics
 from outbox.api import limits, problems, routes
 from outbox.service import Outbox
 
@@ -45,6 +46,8 @@ def create_app(
         redoc_url=None,
     )
     app.state.outbox = box
+    # /metrics: this process's counters, and the backlog of this app's own database.
+    app.state.metrics_registry = metrics.backlog_registry(box.engine)
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
     app.include_router(routes.router)
@@ -67,12 +70,20 @@ def cli_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=None, help="port (default: OUTBOX_API_PORT or 8000)"
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="log lines as text or one JSON object each (default: OUTBOX_LOG_FORMAT or text)",
+    )
 
 
 def cli_serve(args: argparse.Namespace) -> int:
     from outbox import settings
 
-    config = settings.load()
+    overrides = {"log_format": args.log_format} if args.log_format else {}
+    config = settings.load(**overrides)
+    logs.configure(config.log_format, config.log_level)
     host = args.host or config.api_host
     port = config.api_port if args.port is None else args.port
     box = Outbox(getattr(args, "database_url", None), config=config)
@@ -83,6 +94,9 @@ def cli_serve(args: argparse.Namespace) -> int:
                 host=host,
                 port=port,
                 log_level=config.log_level.lower(),
+                # uvicorn's own loggers propagate to the root handler logs.configure set up,
+                # so its lines come out in the same format as ours.
+                log_config=None,
                 proxy_headers=False,
                 server_header=False,
             )

@@ -22,7 +22,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from outbox import create, db, errors, tools
+from outbox import create, db, errors, metrics, tools
 from outbox.api import auth, problems
 from outbox.create import ExecuteResult
 from outbox.service import Outbox, Principal
@@ -94,10 +94,16 @@ async def create_task(request: Request, principal: Caller, box: Box) -> Response
 
 
 async def _execute(request: Request, principal: Principal, box: Outbox, tool: str) -> Response:
-    operation_id = idempotency_key(request)
-    box.tools.get(tool)  # UnknownTool (404) before the body is read
-    require_json(request)
-    arguments = parse_json(await request.body())
+    try:
+        operation_id = idempotency_key(request)
+        box.tools.get(tool)  # UnknownTool (404) before the body is read
+        require_json(request)
+        arguments = parse_json(await request.body())
+    except errors.OutboxError as error:
+        # Refused before the create path: counted here, since box.execute never sees it.
+        label = tool if tool in box.tools else "unknown"
+        metrics.OPERATIONS.labels(label, metrics.create_result(error)).inc()
+        raise
     # The create path is synchronous database work: keep it off the event loop.
     result = await run_in_threadpool(box.execute, principal.tenant, operation_id, tool, arguments)
     return receipt_response(result)
@@ -223,6 +229,15 @@ def get_task(
 
 
 # --- health -----------------------------------------------------------------------------
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text format: counters of this process, backlog gauges of its database."""
+    return Response(
+        metrics.render(request.app.state.metrics_registry),
+        media_type=metrics.CONTENT_TYPE,
+    )
 
 
 @router.get("/healthz", summary="The process is up", tags=["health"])
