@@ -407,6 +407,8 @@ class Dispatcher:
         name = effect.adapter
         breaker = self.breaker(name)
         context = {
+            "tenant": effect.tenant,
+            "operation_id": effect.operation_id,
             "effect_id": effect.id,
             "attempt": effect.attempt_no,
             "adapter": name,
@@ -432,6 +434,15 @@ class Dispatcher:
             logger.warning("adapter error: %s", result.error, extra=context)
         elif decision.status is S.OUTCOME_UNKNOWN:
             logger.warning("outcome unknown: %s", decision.reason.value, extra=context)
+        else:
+            # One line per attempt, ids only: never the payload, never a credential.
+            logger.info(
+                "attempt %d %s: effect %s",
+                effect.attempt_no,
+                result.outcome.value,
+                decision.status.value,
+                extra=context,
+            )
 
     def _record(self, finishes: list[store.Finish]) -> None:
         if not finishes:
@@ -643,6 +654,20 @@ def cli_options(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="name in leases and attempt rows (default host:pid:random)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics, /healthz, /readyz here; 0: none "
+        "(default OUTBOX_DISPATCHER_METRICS_PORT, 0)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="log lines as text or one JSON object each (default OUTBOX_LOG_FORMAT, text)",
+    )
 
 
 def cli_run(args: argparse.Namespace) -> int:
@@ -651,6 +676,10 @@ def cli_run(args: argparse.Namespace) -> int:
         overrides["concurrency"] = args.concurrency
     if args.batch is not None:
         overrides["claim_batch_size"] = args.batch
+    if args.metrics_port is not None:
+        overrides["dispatcher_metrics_port"] = args.metrics_port
+    if args.log_format is not None:
+        overrides["log_format"] = args.log_format
     config = settings.load(**overrides)
     logs.configure(config.log_format, config.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
@@ -664,8 +693,17 @@ def cli_run(args: argparse.Namespace) -> int:
         except adapters.AdapterError as exc:
             raise errors.ConfigError(str(exc)) from exc
         dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
+        for name in registry.names():
+            # A series from the start: "absent" and "closed" look different on a dashboard.
+            metrics.BREAKER_OPEN.labels(name).set(0)
         if config.dispatcher_metrics_port:
             metrics.serve(engine, config.metrics_host, config.dispatcher_metrics_port)
+            logger.info(
+                "metrics on http://%s:%d/metrics",
+                config.metrics_host,
+                config.dispatcher_metrics_port,
+                extra={"worker": dispatcher.worker_id},
+            )
         stopper = dispatcher
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
