@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import logging
 import threading
 import uuid
 from typing import Any
@@ -35,6 +36,20 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--once", action="store_true", help="run every sweep once, print, exit")
     p.add_argument(
         "--worker-id", default=None, help="recorded with each lookup (default: host and pid)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics, /healthz, /readyz here; 0: none "
+        "(default OUTBOX_RECONCILER_METRICS_PORT, 0)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="log lines as text or one JSON object each (default OUTBOX_LOG_FORMAT, text)",
     )
     p.set_defaults(handler=cmd_reconciler)
 
@@ -95,7 +110,12 @@ def _registry(config: settings.Settings) -> adapters.Registry:
 
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
-    config = settings.load()
+    overrides: dict[str, Any] = {}
+    if args.metrics_port is not None:
+        overrides["reconciler_metrics_port"] = args.metrics_port
+    if args.log_format is not None:
+        overrides["log_format"] = args.log_format
+    config = settings.load(**overrides)
     box = Outbox(args.database_url, config=config)
     registry = _registry(config)
     try:
@@ -109,6 +129,11 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
         server = None
         if config.reconciler_metrics_port:
             server = metrics.serve(box.engine, config.metrics_host, config.reconciler_metrics_port)
+            logging.getLogger("reconciler").info(
+                "metrics on http://%s:%d/metrics",
+                config.metrics_host,
+                config.reconciler_metrics_port,
+            )
         stop = threading.Event()
         scheduler.stop_on_signals(stop)
         try:
