@@ -40,6 +40,12 @@ def cli_options(parser: argparse.ArgumentParser) -> None:
         "--provider-mode", choices=["honour", "ignore"], default="honour", help="fake provider mode"
     )
     parser.add_argument("--grace", type=float, default=10.0, help="seconds children get to stop")
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="the children's log lines: text or JSON (default OUTBOX_LOG_FORMAT, text)",
+    )
 
 
 def _command(*parts: str) -> list[str]:
@@ -83,6 +89,8 @@ def cli_run(args: argparse.Namespace) -> int:
     env["OUTBOX_DATABASE_URL"] = url
     env["OUTBOX_ADAPTERS"] = str(adapters_file)
     env["PYTHONUNBUFFERED"] = "1"
+    if args.log_format:
+        env["OUTBOX_LOG_FORMAT"] = args.log_format
     fake = shutil.which("fake-provider")
     provider_cmd = [fake] if fake else _command("fake_provider")
     commands = {
@@ -133,6 +141,9 @@ def cli_run(args: argparse.Namespace) -> int:
                 start_new_session=True,
             )
             children[name] = proc
+            with lock:
+                # Supervisors and tests check that every one of these is gone after we stop.
+                print(f"outbox dev: started {name} pid {proc.pid}", flush=True)
             assert proc.stdout is not None
             pump = threading.Thread(target=_pump, args=(name, proc.stdout, lock), daemon=True)
             pump.start()
