@@ -3,6 +3,7 @@ reached the provider, else becomes outcome_unknown (never a resend)."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 from outbox import Outbox, states
@@ -65,3 +66,23 @@ def test_every_due_row_in_one_pass_across_batches(box: Outbox, clock: Clock) -> 
     assert sweep.run_once(clock.advance(86400)) == 5
     assert {row(box.engine, e).status for e in effects} == {S.FAILED}
     assert sweep.run_once(clock()) == 0
+
+
+def test_two_reconcilers_settle_each_row_once(box: Outbox, clock: Clock) -> None:
+    effects = [create_effect(box, f"op-{n}") for n in range(20)]
+    now = clock.advance(86400)
+    gate = threading.Barrier(2, timeout=10)
+    handled: list[int] = []
+
+    def run() -> None:
+        sweep = sweeps.EnforceDeadlines(box.engine, box.settings, batch=3)
+        gate.wait()
+        handled.append(sweep.run_once(now))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sum(handled) == len(effects)
+    assert {row(box.engine, e).status for e in effects} == {S.FAILED}
