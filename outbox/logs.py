@@ -71,3 +71,5 @@ def configure(log_format: str = "text", level: str = "INFO") -> None:
     # httpx logs every request line with its URL at info: too chatty for a dispatcher.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    # The schema check on start-up (and on every /readyz) is not news.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
