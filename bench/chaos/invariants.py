@@ -24,13 +24,16 @@ from sqlalchemy.engine import Engine
 from bench.chaos.load import KeyRecord
 from outbox import db, schema
 from outbox.client import Outcome
-from outbox.states import AttemptOutcome, EffectStatus, LookupOutcome, ReviewChoice
+from outbox.states import AttemptOutcome, EffectStatus, LookupOutcome, Reason, ReviewChoice
 
 S = EffectStatus
 # An attempt after which the provider may have acted: nothing may be resent to a
 # provider that ignores keys until a lookup or a person says it did not happen.
 RISKY = frozenset({AttemptOutcome.AMBIGUOUS, AttemptOutcome.ABANDONED, AttemptOutcome.DELIVERED})
 SHOWN_ROWS = 20
+AT_DEADLINE = frozenset(
+    {Reason.DEADLINE_NOTHING_SENT, Reason.DEADLINE_MAY_HAVE_SENT, Reason.MAX_ATTEMPTS}
+)
 
 
 @dataclass
@@ -353,6 +356,9 @@ def _check_effects(ev: Evidence, figures: dict[str, Any], out: list[Violation]) 
             "review actions by choice": dict(sorted(choices.items())),
             "resolved by review": len({a.effect_id for a in t.actions}),
             "resends authorised by a lookup or an operator": authorised_resends,
+            "effects settled at their deadline or attempt cap": sum(
+                1 for e in t.effects if str(e.reason) in AT_DEADLINE
+            ),
             "deadline breaches": len(deadlines.rows),
         }
     )

@@ -54,6 +54,7 @@ class Monkey:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-monkey", daemon=True)
         self._started = 0.0
+        self._plan = self._targets()
 
     @property
     def kills(self) -> int:
@@ -102,22 +103,31 @@ class Monkey:
         base = min(max(base, KILL_INTERVAL_MIN_S), KILL_INTERVAL_MAX_S)
         return base * self.rng.uniform(0.6, 1.4)
 
+    def _targets(self) -> list[str]:
+        """The victims of the quota, shuffled: mostly dispatchers, the API and the
+        reconciler at least once each when the quota allows."""
+        others = max(1, round(self.quota * 0.2)) if self.quota >= 3 else 0
+        targets = ["api"] * others + ["reconciler"] * others
+        targets += ["dispatcher"] * max(0, self.quota - len(targets))
+        self.rng.shuffle(targets)
+        return targets
+
     def _strike(self) -> None:
-        roll = self.rng.random()
-        if roll < 0.6:
-            victim = self.rng.choice(self.supervisor.named("dispatcher"))
-            self._kill(victim, "dispatcher")
-        elif roll < 0.8:
+        target = self._plan[self.kills % len(self._plan)] if self._plan else "dispatcher"
+        if target == "dispatcher":
+            self._kill(self.rng.choice(self.supervisor.named("dispatcher")), "dispatcher")
+        elif target == "api":
             self._kill(self.supervisor.named("api")[0], "api")
         else:
             reconciler = self.supervisor.named("reconciler")[0]
-            if self.rng.random() < 0.5:
-                self._kill(reconciler, "reconciler")
-            else:
-                reconciler.stop()
-                self.counts["SIGTERM reconciler"] += 1
-                reconciler.start()
-                self.counts["restarts"] += 1
+            self._kill(reconciler, "reconciler")
+        if self.rng.random() < 0.15:
+            # A clean restart too: SIGTERM lets a pass in progress finish first.
+            reconciler = self.supervisor.named("reconciler")[0]
+            reconciler.stop()
+            self.counts["SIGTERM reconciler"] += 1
+            reconciler.start()
+            self.counts["restarts"] += 1
 
     def _kill(self, child: Child, kind: str) -> None:
         child.kill()

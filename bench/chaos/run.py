@@ -49,7 +49,7 @@ SERVICE_ENV = {
     "OUTBOX_LEASE_RENEW_INTERVAL": "1s",
     "OUTBOX_SWEEP_INTERVAL": "1s",
     "OUTBOX_POLL_INTERVAL": "0.1s",
-    "OUTBOX_EFFECT_DEADLINE": "60s",
+    "OUTBOX_EFFECT_DEADLINE": "20s",  # shorter than a phase: rows live past theirs
     "OUTBOX_BACKOFF_INITIAL": "0.05s",
     "OUTBOX_BACKOFF_MAX": "1s",
     "OUTBOX_LOOKUP_BACKOFF": "1s",
