@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -46,12 +46,18 @@ class FullJitter(tenacity.wait_exponential):
     def __init__(self, initial: float, maximum: float, rng: random.Random) -> None:
         super().__init__(multiplier=initial, max=maximum, exp_base=2, min=0)
         self.rng = rng
+        self._bounds: dict[int, float] = {}  # pure in the attempt number: computed once each
 
     def upper_bound(self, attempt_number: int) -> float:
         """The largest delay attempt ``attempt_number`` may draw (seconds)."""
-        state = tenacity.RetryCallState(_RETRYING, None, (), {})
-        state.attempt_number = max(1, attempt_number)
-        return float(super().__call__(state))
+        bound = self._bounds.get(attempt_number)
+        if bound is None:
+            state = tenacity.RetryCallState(_RETRYING, None, (), {})
+            state.attempt_number = max(1, attempt_number)
+            bound = float(super().__call__(state))
+            if len(self._bounds) < 1024:
+                self._bounds[attempt_number] = bound
+        return bound
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
         return self.rng.uniform(0.0, self.upper_bound(retry_state.attempt_number))
@@ -67,9 +73,16 @@ class Backoff:
     initial: timedelta
     maximum: timedelta
     rng: random.Random
+    # Built once: the dispatcher asks for a retry time on every result, and
+    # constructing tenacity's strategy cost more than drawing from it.
+    _wait: FullJitter = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        jitter = FullJitter(self.initial.total_seconds(), self.maximum.total_seconds(), self.rng)
+        object.__setattr__(self, "_wait", jitter)
 
     def wait(self) -> FullJitter:
-        return FullJitter(self.initial.total_seconds(), self.maximum.total_seconds(), self.rng)
+        return self._wait
 
     def retry_at(
         self, *, now: datetime, attempts: int, retry_after: float | None = None
@@ -81,7 +94,7 @@ class Backoff:
         The caller (``policy.after_attempt``) refuses any time at or past the
         effect's deadline.
         """
-        seconds = self.wait().delay(attempts)
+        seconds = self._wait.delay(attempts)
         if retry_after is not None and math.isfinite(retry_after):
             seconds = max(seconds, retry_after)
         return now + timedelta(seconds=seconds)
