@@ -32,10 +32,12 @@ attempt times, retries and leases share one clock.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import json
 import logging
 import os
+import queue
 import random
 import secrets
 import signal
@@ -96,6 +98,28 @@ class _Result:
 
 
 _WITHDRAWN = object()  # the request was never handed to the adapter (shutdown)
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """An exception a delivery runner caught, for the pass's thread to raise."""
+
+    error: BaseException
+
+
+def _take(
+    results: queue.SimpleQueue[tuple[_Task, object]], timeout: float
+) -> list[tuple[_Task, object]]:
+    """Every result waiting now, blocking up to ``timeout`` for the first."""
+    try:
+        taken = [results.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            taken.append(results.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 @dataclass(eq=False)
@@ -251,17 +275,38 @@ class Dispatcher:
                 return fixed_now
             return claimed_at + timedelta(seconds=(task.done or time.monotonic()) - task.started)
 
-        futures = {self._pool.submit(self._deliver, task): task for task in tasks}
-        waiting = set(futures)
+        # At most ``concurrency`` runners take tasks from one queue and hand
+        # results back on another: one pool submission per runner rather than
+        # one future per effect (profiled: the per-effect futures and waits cost
+        # more than a no-op delivery). A slow delivery holds only its runner.
+        queued = collections.deque(tasks)
+        results: queue.SimpleQueue[tuple[_Task, object]] = queue.SimpleQueue()
+
+        def runner() -> None:
+            while True:
+                try:
+                    task = queued.popleft()
+                except IndexError:
+                    return
+                try:
+                    outcome: object = self._deliver(task)
+                except BaseException as exc:  # noqa: BLE001 - a crash window: re-raised below
+                    outcome = _Raised(exc)
+                results.put((task, outcome))
+
+        for _ in range(min(self.settings.concurrency, len(tasks))):
+            self._pool.submit(runner)
+        waiting = set(tasks)
         buffer: list[store.Finish] = []
         withdrawn: list[_Task] = []
         oldest: float | None = None
         while waiting:
-            timeout = self._wait_timeout(oldest)
-            done, waiting = cf.wait(waiting, timeout=timeout, return_when=cf.FIRST_COMPLETED)
-            for future in done:
-                task = futures[future]
-                outcome = future.result()  # an exception here is a crash window firing
+            done = _take(results, self._wait_timeout(oldest))
+            for task, outcome in done:
+                waiting.discard(task)
+                if isinstance(outcome, _Raised):
+                    queued.clear()  # nothing more leaves this pass
+                    raise outcome.error
                 if outcome is _WITHDRAWN:
                     withdrawn.append(task)
                     continue
@@ -278,9 +323,8 @@ class Dispatcher:
             if waiting and self._grace_over():
                 self._record(buffer)
                 buffer = []
-                self._release([futures[f] for f in waiting], withdrawn, fixed_now, claimed_at)
-                for future in waiting:
-                    future.cancel()
+                left = [task for task in tasks if task in waiting]
+                self._release(left, withdrawn, fixed_now, claimed_at)
                 return
         if withdrawn:
             self._release([], withdrawn, fixed_now, claimed_at)
