@@ -219,82 +219,99 @@ def claim_due(
         return Claim(claimed, len(expired), skipped, now)
 
 
+# The claim of chosen ids, with their open attempts, as one statement on
+# PostgreSQL: the attempt rows are written by the same statement (a
+# data-modifying CTE) and commit with the claim, before anything is sent.
+_PG_CLAIM = f"""
+WITH claimed AS (
+    UPDATE outbox SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
+        lease_owner = %(owner)s, lease_expires_at = %(lease_expires_at)s,
+        fence = fence + 1, attempts = attempts + 1, updated_at = %(now)s
+    WHERE id = ANY(%(ids)s::bigint[]) AND status = '{S.PENDING.value}'
+    RETURNING id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
+        maybe_sent, deadline_at
+), opened AS (
+    INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)
+    SELECT id, attempts, %(owner)s, fence, effect_key, %(now)s, false FROM claimed
+)
+SELECT id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
+    maybe_sent, deadline_at
+FROM claimed ORDER BY id
+"""
+_SQLITE_CLAIM = f"""
+UPDATE outbox SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
+    lease_owner = ?, lease_expires_at = ?, fence = fence + 1, attempts = attempts + 1,
+    updated_at = ?
+WHERE id IN ({{marks}}) AND status = '{S.PENDING.value}'
+RETURNING id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
+    maybe_sent, deadline_at
+"""
+_SQLITE_OPEN_ATTEMPTS = (
+    "INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)"
+    " VALUES (?, ?, ?, ?, ?, ?, 0)"
+)
+
+
 def _claim(
     conn: Connection, ids: list[int], owner: str, now: datetime, lease_expires_at: datetime
 ) -> list[Claimed]:
-    result = conn.execute(
-        sa.update(_out)
-        .where(_ids_match(conn, _out.c.id, ids), _out.c.status == S.PENDING)
-        .values(
-            status=S.IN_FLIGHT,
-            reason=Reason.CLAIMED,
-            lease_owner=owner,
-            lease_expires_at=lease_expires_at,
-            fence=_out.c.fence + 1,
-            attempts=_out.c.attempts + 1,
-            updated_at=now,
-        )
-        .returning(
-            _out.c.id,
-            _out.c.tenant,
-            _out.c.operation_id,
-            _out.c.effect,
-            _out.c.adapter,
-            _out.c.payload,
-            _out.c.effect_key,
-            _out.c.attempts,
-            _out.c.fence,
-            _out.c.maybe_sent,
-            _out.c.deadline_at,
-        )
-    ).all()
-    claimed = sorted(
-        (
+    # Straight to the driver on both backends: this runs once per batch, and
+    # SQLAlchemy's per-row bind and result processing cost more than the SQL.
+    if _is_pg(conn):
+        rows = conn.exec_driver_sql(
+            _PG_CLAIM,
+            {"ids": ids, "owner": owner, "now": now, "lease_expires_at": lease_expires_at},
+        ).fetchall()
+        return [
             Claimed(
-                id=r.id,
-                tenant=r.tenant,
-                operation_id=r.operation_id,
-                effect=r.effect,
-                adapter=r.adapter,
-                payload=r.payload,
-                effect_key=r.effect_key,
-                attempt_no=r.attempts,
-                fence=r.fence,
-                maybe_sent=r.maybe_sent,
-                deadline_at=r.deadline_at,
+                id=r[0],
+                tenant=r[1],
+                operation_id=r[2],
+                effect=r[3],
+                adapter=r[4],
+                payload=r[5],
+                effect_key=r[6],
+                attempt_no=r[7],
+                fence=r[8],
+                maybe_sent=r[9],
+                deadline_at=r[10].astimezone(UTC),
                 lease_expires_at=lease_expires_at,
                 started_at=now,
             )
-            for r in result
+            for r in rows
+        ]
+    started = _sqlite_time(now)
+    rows = conn.exec_driver_sql(
+        _SQLITE_CLAIM.format(marks=", ".join("?" * len(ids))),
+        (owner, _sqlite_time(lease_expires_at), started, *ids),
+    ).fetchall()
+    claimed = sorted(
+        (
+            Claimed(
+                id=r[0],
+                tenant=r[1],
+                operation_id=r[2],
+                effect=r[3],
+                adapter=r[4],
+                payload=r[5],
+                effect_key=r[6],
+                attempt_no=r[7],
+                fence=r[8],
+                maybe_sent=bool(r[9]),
+                deadline_at=datetime.fromisoformat(r[10]).replace(tzinfo=UTC),
+                lease_expires_at=lease_expires_at,
+                started_at=now,
+            )
+            for r in rows
         ),
         key=lambda c: c.id,
     )
-    if claimed and not _is_pg(conn):
+    if claimed:
         # Commit before sending: an open attempt is our only evidence that the
-        # provider may have acted if this process dies mid-send. (SQLite: straight
-        # to the driver's executemany; per-row bind processing would cost more
-        # than the insert itself.)
-        started = _sqlite_time(now)
+        # provider may have acted if this process dies mid-send.
         conn.exec_driver_sql(
-            "INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,"
-            " late) VALUES (?, ?, ?, ?, ?, ?, 0)",
+            _SQLITE_OPEN_ATTEMPTS,
             [(c.id, c.attempt_no, owner, c.fence, c.effect_key, started) for c in claimed],
-        )
-    elif claimed:
-        conn.execute(
-            sa.insert(_att),
-            [
-                {
-                    "effect_id": c.id,
-                    "attempt_no": c.attempt_no,
-                    "worker": owner,
-                    "fence": c.fence,
-                    "effect_key": c.effect_key,
-                    "started_at": now,
-                    "late": False,
-                }
-                for c in claimed
-            ],
         )
     return claimed
 
