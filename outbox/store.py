@@ -27,7 +27,8 @@ The state decisions come from ``outbox.policy``; this module only writes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -429,105 +430,84 @@ def _row_params(f: Finish) -> dict[str, Any]:
     }
 
 
-def _attempt_params(f: Finish, late: bool) -> dict[str, Any]:
-    return {
-        "effect_id": f.effect_id,
-        "attempt_no": f.attempt_no,
-        "fence": f.fence,
-        "finished_at": f.at,
-        "outcome": f.outcome.value,
-        "status_code": f.status_code,
-        "error": f.error,
-        "provider_ref": f.attempt_provider_ref,
-        "late": late,
-    }
-
-
 def _write_finishes(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
     if _is_pg(conn):
         return _write_finishes_pg(conn, finishes)
     return _write_finishes_sqlite(conn, finishes)
 
 
-_ROW_COLUMNS = (
-    ("id", "bigint"),
-    ("fence", "bigint"),
-    ("status", "varchar"),
-    ("reason", "varchar"),
-    ("maybe_sent", "boolean"),
-    ("next_attempt_at", "timestamptz"),
-    ("provider_ref", "varchar"),
-    ("last_error", "text"),
-    ("finished_at", "timestamptz"),
-    ("next_lookup_at", "timestamptz"),
-    ("updated_at", "timestamptz"),
+# One statement per batch on PostgreSQL: the fenced row updates (a
+# data-modifying CTE whose RETURNING says whose fence held) and the attempt
+# rows, marked late where the fence did not hold. The batch travels as one
+# JSON parameter: adapting a dozen typed arrays cost more than the update.
+_PG_FINISH = f"""
+WITH v AS (
+    SELECT * FROM jsonb_to_recordset(%(batch)s::jsonb) AS v(
+        id bigint, fence bigint, attempt_no integer, at timestamptz, status varchar,
+        reason varchar, maybe_sent boolean, terminal boolean, next_attempt_at timestamptz,
+        next_lookup_at timestamptz, provider_ref varchar, attempt_provider_ref varchar,
+        error text, outcome varchar, status_code integer)
+), held AS (
+    UPDATE outbox AS o SET
+        status = v.status,
+        reason = v.reason,
+        maybe_sent = v.maybe_sent,
+        next_attempt_at = COALESCE(v.next_attempt_at, o.next_attempt_at),
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        provider_ref = COALESCE(v.provider_ref, o.provider_ref),
+        last_error = v.error,
+        finished_at = CASE WHEN v.terminal THEN v.at END,
+        next_lookup_at = CASE WHEN v.status = '{S.OUTCOME_UNKNOWN.value}' THEN v.next_lookup_at END,
+        needs_review = false,
+        updated_at = v.at
+    FROM v
+    WHERE o.id = v.id AND o.fence = v.fence AND o.status = '{S.IN_FLIGHT.value}'
+    RETURNING o.id
+), finished AS (
+    UPDATE attempts AS a SET
+        finished_at = v.at,
+        outcome = v.outcome,
+        status_code = v.status_code,
+        error = v.error,
+        provider_ref = v.attempt_provider_ref,
+        late = NOT EXISTS (SELECT 1 FROM held WHERE held.id = a.effect_id)
+    FROM v
+    WHERE a.effect_id = v.id AND a.attempt_no = v.attempt_no AND a.fence = v.fence
 )
-_ATTEMPT_COLUMNS = (
-    ("effect_id", "bigint"),
-    ("attempt_no", "integer"),
-    ("fence", "bigint"),
-    ("finished_at", "timestamptz"),
-    ("outcome", "varchar"),
-    ("status_code", "integer"),
-    ("error", "text"),
-    ("provider_ref", "varchar"),
-    ("late", "boolean"),
-)
-
-
-def _unnest(columns: Iterable[tuple[str, str]]) -> tuple[str, str]:
-    columns = list(columns)
-    arrays = ", ".join(f"CAST(:{name} AS {kind}[])" for name, kind in columns)
-    names = ", ".join(name for name, _ in columns)
-    return f"unnest({arrays}) AS v({names})", names
-
-
-def _arrays(rows: list[dict[str, Any]], columns: Iterable[tuple[str, str]]) -> dict[str, Any]:
-    return {name: [row[name] for row in rows] for name, _ in columns}
-
-
-_PG_FINISH_ROWS = sa.text(
-    f"""
-UPDATE outbox AS o SET
-    status = v.status,
-    reason = v.reason,
-    maybe_sent = v.maybe_sent,
-    next_attempt_at = COALESCE(v.next_attempt_at, o.next_attempt_at),
-    lease_owner = NULL,
-    lease_expires_at = NULL,
-    provider_ref = COALESCE(v.provider_ref, o.provider_ref),
-    last_error = v.last_error,
-    finished_at = v.finished_at,
-    next_lookup_at = v.next_lookup_at,
-    needs_review = false,
-    updated_at = v.updated_at
-FROM {_unnest(_ROW_COLUMNS)[0]}
-WHERE o.id = v.id AND o.fence = v.fence AND o.status = 'in_flight'
-RETURNING o.id
+SELECT id FROM held
 """
-)
 
-_PG_FINISH_ATTEMPTS = sa.text(
-    f"""
-UPDATE attempts AS a SET
-    finished_at = v.finished_at,
-    outcome = v.outcome,
-    status_code = v.status_code,
-    error = v.error,
-    provider_ref = v.provider_ref,
-    late = v.late
-FROM {_unnest(_ATTEMPT_COLUMNS)[0]}
-WHERE a.effect_id = v.effect_id AND a.attempt_no = v.attempt_no AND a.fence = v.fence
-"""
-)
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
 
 
 def _write_finishes_pg(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
-    rows = [_row_params(f) for f in finishes]
-    held = set(conn.execute(_PG_FINISH_ROWS, _arrays(rows, _ROW_COLUMNS)).scalars())
-    attempts = [_attempt_params(f, f.effect_id not in held) for f in finishes]
-    conn.execute(_PG_FINISH_ATTEMPTS, _arrays(attempts, _ATTEMPT_COLUMNS))
-    return held
+    batch = [
+        {
+            "id": f.effect_id,
+            "fence": f.fence,
+            "attempt_no": f.attempt_no,
+            "at": _iso(f.at),
+            "status": f.decision.status.value,
+            "reason": f.decision.reason.value,
+            "maybe_sent": f.decision.maybe_sent,
+            "terminal": f.decision.terminal,
+            "next_attempt_at": _iso(
+                f.decision.next_attempt_at if f.decision.status is S.PENDING else None
+            ),
+            "next_lookup_at": _iso(f.next_lookup_at),
+            "provider_ref": f.provider_ref,
+            "attempt_provider_ref": f.attempt_provider_ref,
+            "error": f.error,
+            "outcome": f.outcome.value,
+            "status_code": f.status_code,
+        }
+        for f in finishes
+    ]
+    rows = conn.exec_driver_sql(_PG_FINISH, {"batch": json.dumps(batch)}).fetchall()
+    return {r[0] for r in rows}
 
 
 _SQLITE_FINISH_ROW = """
