@@ -47,7 +47,9 @@ def postgres_template() -> Iterator[str]:
     """A migrated template database; tests clone it."""
     if not POSTGRES_URL:
         if IN_CI:
-            pytest.fail("CI=true but OUTBOX_TEST_POSTGRES_URL is not set: PostgreSQL tests must run")
+            pytest.fail(
+                "CI=true but OUTBOX_TEST_POSTGRES_URL is not set: PostgreSQL tests must run"
+            )
         pytest.skip("OUTBOX_TEST_POSTGRES_URL is not set")
     name = f"outbox_tmpl_{_worker()}_{uuid.uuid4().hex[:8]}"
     admin = _admin_engine()
