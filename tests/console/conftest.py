@@ -57,7 +57,7 @@ TENANT = "acme"
 SCREENSHOTS_ENV = "OUTBOX_SCREENSHOTS"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     if not CHROMIUM.exists():
         message = f"{CHROMIUM} is missing: install Debian's chromium package"
