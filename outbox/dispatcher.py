@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures as cf
+import itertools
 import json
 import logging
 import os
@@ -95,6 +96,7 @@ class _Result:
     provider_ref: str | None = None
     retry_after: float | None = None
     error: str | None = None
+    lease_lapsed: bool = False  # not sent because the lease may have run out: no provider news
 
 
 _WITHDRAWN = object()  # the request was never handed to the adapter (shutdown)
@@ -127,6 +129,7 @@ class _Task:
     effect: store.Claimed
     adapter: adapters.Adapter | None
     started: float  # monotonic, at claim
+    held_until: float  # monotonic; the lease surely holds until then (claim or renewal + lease)
     lock: threading.Lock = field(default_factory=threading.Lock)
     handed: bool = False  # the request was given to adapter.deliver: it may have been sent
     withdrawn: bool = False
@@ -168,6 +171,9 @@ class Dispatcher:
         self._wake = threading.Event()
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
+        self._holding: list[list[_Task]] = []  # the passes in progress, for lease renewal
+        # Refuse a send this close to the lease's end: the request takes time to leave.
+        self._lease_margin = self.settings.lease_duration.total_seconds() / 10
         self.late_results = 0  # results that arrived after the lease was lost
         self.released = 0  # rows given back at shutdown
         self.abandoned_sends = 0  # sends still running when their rows were released
@@ -239,6 +245,8 @@ class Dispatcher:
         """Claim one batch, deliver it, record the results. Returns the rows handled."""
         if self._stop.is_set():
             return 0
+        # Read before the claim, so the lease surely lasts until this + lease.
+        claim_began = time.monotonic()
         claim = store.claim_due(self.engine, self._claim_params(now), self._admit)
         if claim.expired:
             logger.info(
@@ -248,24 +256,27 @@ class Dispatcher:
         if not claim.effects:
             return claim.expired
         assert claim.now is not None
-        faults.point("dispatch.after_attempt_commit")
         started = time.monotonic()
-        tasks = [self._task(effect, started) for effect in claim.effects]
+        held_until = claim_began + self.settings.lease_duration.total_seconds()
+        tasks = [self._task(effect, started, held_until) for effect in claim.effects]
         with self._in_flight_lock:
             self._in_flight += len(tasks)
+            self._holding.append(tasks)
         try:
+            faults.point("dispatch.after_attempt_commit")
             self._deliver_and_record(tasks, claim.now, fixed_now=now)
         finally:
             with self._in_flight_lock:
                 self._in_flight -= len(tasks)
+                self._holding.remove(tasks)
         return len(tasks) + claim.expired
 
-    def _task(self, effect: store.Claimed, started: float) -> _Task:
+    def _task(self, effect: store.Claimed, started: float, held_until: float) -> _Task:
         try:
             adapter: adapters.Adapter | None = self.adapters.get(effect.adapter)
         except adapters.UnknownAdapter:
             adapter = None
-        return _Task(effect, adapter, started)
+        return _Task(effect, adapter, started, held_until)
 
     def _deliver_and_record(
         self, tasks: list[_Task], claimed_at: datetime, fixed_now: datetime | None
@@ -353,6 +364,18 @@ class Dispatcher:
                 # Shutting down: a request that has not left must not leave now.
                 task.withdrawn = True
                 return _WITHDRAWN
+            if time.monotonic() > task.held_until - self._lease_margin:
+                # This worker was paused or starved between the claim and the send:
+                # the lease may have run out, the reconciler may have taken the row
+                # and a lookup may have found nothing. Sending now could be a
+                # second effect at a provider that ignores keys. Not sent; the
+                # fenced finish decides whether the row is still ours to reschedule.
+                return _Result(
+                    AttemptOutcome.NOT_SENT,
+                    False,
+                    error="not sent: the lease could have run out before the request left",
+                    lease_lapsed=True,
+                )
             task.handed = True
         result = self._send(task)
         task.done = time.monotonic()
@@ -460,7 +483,9 @@ class Dispatcher:
             "status_code": result.status_code,
             "worker": self.worker_id,
         }
-        if result.outcome in _PROVIDER_FAILURES:
+        if result.lease_lapsed:
+            pass  # says nothing about the provider
+        elif result.outcome in _PROVIDER_FAILURES:
             if breaker.record_failure(at):
                 metrics.BREAKER_OPEN.labels(name).set(1)
                 logger.warning(
@@ -546,9 +571,16 @@ class Dispatcher:
 
     def renew_leases(self, now: datetime | None = None) -> int:
         """Extend this worker's live leases (a slow delivery keeps its row)."""
+        began = time.monotonic()
         renewed = store.renew_leases(
             self.engine, self.worker_id, self.settings.lease_duration, now=now
         )
+        # A lease that was still live when the renewal began now lasts until
+        # began + lease; one that may have lapsed was not revived.
+        with self._in_flight_lock:
+            for task in itertools.chain.from_iterable(self._holding):
+                if began <= task.held_until:
+                    task.held_until = began + self.settings.lease_duration.total_seconds()
         if renewed:
             logger.debug("renewed leases", extra={"count": renewed, "worker": self.worker_id})
         return renewed

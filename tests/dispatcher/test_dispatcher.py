@@ -298,6 +298,49 @@ def test_crash_after_the_attempt_commit_leaves_an_open_attempt_and_nothing_sent(
     assert a.started_at == clock() and a.finished_at is None
 
 
+def _pause(seconds: float, during=None):
+    """A worker frozen between its attempt commit and its send (SIGSTOP, a long GC)."""
+
+    def pause() -> None:
+        time.sleep(seconds / 2)
+        if during is not None:
+            during()
+        time.sleep(seconds / 2)
+
+    return pause
+
+
+@pytest.mark.parametrize("honours", [True, False])
+def test_a_worker_paused_past_its_lease_before_the_send_does_not_send(
+    engine, make_dispatcher, honours
+) -> None:
+    (effect_id,) = seed(engine, 1, now=schema.utcnow())
+    adapter = fake(honours=honours)
+    dispatcher = make_dispatcher(adapter, lease_duration=1.2, lease_renew_interval=0.4)
+    with faults.armed("dispatch.after_attempt_commit", _pause(1.3)):
+        assert dispatcher.run_once() == 1
+    # The lease may have run out and the row been decided by someone else:
+    # whatever the provider, the request must not leave now.
+    assert adapter.calls == []
+    (a,) = attempts(engine, effect_id)
+    assert a.outcome == AttemptOutcome.NOT_SENT and a.finished_at is not None
+    assert "lease could have run out" in a.error
+    # Nobody took the row meanwhile, so it is still ours to reschedule: same key, later.
+    r = row(engine, effect_id)
+    assert (r.status, r.reason, r.maybe_sent) == (S.PENDING, Reason.NOT_SENT, False)
+
+
+def test_a_renewed_lease_lets_the_send_go_after_a_pause(engine, make_dispatcher) -> None:
+    (effect_id,) = seed(engine, 1, now=schema.utcnow())
+    adapter = fake()
+    dispatcher = make_dispatcher(adapter, lease_duration=1.2, lease_renew_interval=0.4)
+    # The renewal job ran while the runner waited: the lease never lapsed.
+    with faults.armed("dispatch.after_attempt_commit", _pause(1.3, dispatcher.renew_leases)):
+        assert dispatcher.run_once() == 1
+    assert len(adapter.calls) == 1
+    assert row(engine, effect_id).status == S.SUCCEEDED
+
+
 @pytest.mark.parametrize("honours", [True, False])
 def test_crash_between_send_and_record_then_lease_expiry(
     engine, clock, make_dispatcher, honours
