@@ -202,8 +202,10 @@ class _Handlers:
     # -- the effect -------------------------------------------------------
 
     async def create_ticket(self, request: Request) -> Response:
-        decision = self.plan.decide()
+        # The whole body first: a request whose body never arrives met no fault,
+        # and a decision counted means the provider holds the request.
         raw = await request.body()
+        decision = self.plan.decide()
         if decision.outcome in faults.BEFORE_COMMIT:
             await _stall(decision.latency_ms)
             return await self._before_commit(request, decision.outcome)
