@@ -98,22 +98,28 @@ def execute(
     args = spec.validate(arguments)
     arg_values = args.model_dump(mode="json")
     args_digest = digest.args_digest(spec.name, spec.payload_version, arg_values)
+
+    def body(conn: Connection) -> ExecuteResult:
+        found = _find(conn, tenant, operation_id)
+        if found is not None:
+            return _answer_existing(tenant, operation_id, args_digest, found)
+        return _create(
+            conn,
+            spec,
+            args,
+            tenant=tenant,
+            operation_id=operation_id,
+            args_digest=args_digest,
+            now=now,
+            retention=retention,
+            effect_deadline=effect_deadline,
+        )
+
     try:
-        with db.write(engine) as conn:
-            found = _find(conn, tenant, operation_id)
-            if found is not None:
-                return _answer_existing(tenant, operation_id, args_digest, found)
-            return _create(
-                conn,
-                spec,
-                args,
-                tenant=tenant,
-                operation_id=operation_id,
-                args_digest=args_digest,
-                now=now,
-                retention=retention,
-                effect_deadline=effect_deadline,
-            )
+        # No pre-ping: a dead pooled connection fails a statement instead, and
+        # the transaction runs again on a new one. That is safe because nothing
+        # committed, and the key makes a second run a replay if anything had.
+        return db.transact(engine, body)
     except _LostRace:
         pass
     except exc.IntegrityError as error:

@@ -8,16 +8,22 @@ that off (``isolation_level = None``) and emit BEGIN ourselves from the
 ``begin`` event: the recipe in SQLAlchemy's SQLite dialect documentation.
 
 PostgreSQL: psycopg 3, timestamps in UTC, ``lock_timeout`` bounded by the busy
-timeout so a write that waits on a lock answers Busy instead of hanging.
+timeout so a write that waits on a lock answers Busy instead of hanging. A
+connection taken from the pool is pinged first (a pooled connection can die
+while idle: a server restart, ``pg_terminate_backend``), except in ``transact``,
+the hot paths' transaction, which saves that round trip and instead runs its
+body once more on a fresh connection when the first try found the connection
+dead before anything was committed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
@@ -27,6 +33,10 @@ from outbox import errors
 from outbox.settings import Settings
 
 SQLITE_BEGIN_OPTION = "outbox_sqlite_begin"
+_FRESH = "outbox_fresh"  # in a pool record's info: connected, not yet checked out
+_NO_PING: contextvars.ContextVar[bool] = contextvars.ContextVar("outbox_no_ping", default=False)
+
+T = TypeVar("T")
 
 
 def normalise_url(url: str) -> sa.URL:
@@ -92,12 +102,41 @@ def _sqlite_engine(parsed: sa.URL, settings: Settings, busy: float, **kwargs: An
 
 def _postgres_engine(parsed: sa.URL, busy: float, **kwargs: Any) -> Engine:
     options = f"-c timezone=UTC -c lock_timeout={int(busy * 1000)}"
-    return sa.create_engine(
+    pre_ping = kwargs.pop("pool_pre_ping", True)
+    engine = sa.create_engine(
         parsed,
         connect_args={"options": options, "application_name": "outbox"},
-        pool_pre_ping=kwargs.pop("pool_pre_ping", True),
+        pool_pre_ping=False,  # ours below, which ``transact`` can skip
         **_pool_options(kwargs),
     )
+    if pre_ping:
+        _install_pre_ping(engine)
+    return engine
+
+
+def _install_pre_ping(engine: Engine) -> None:
+    """SQLAlchemy's ``pool_pre_ping``, skipped inside ``transact``.
+
+    As the built-in one: a connection just made is not pinged; one that fails
+    the ping as a disconnect invalidates the pool (a restarted server killed
+    them all) and the checkout goes on with a new connection.
+    """
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_FRESH] = True  # the record's info is cleared when it reconnects
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        if record.info.pop(_FRESH, False) or _NO_PING.get():
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as error:
+            if dialect.is_disconnect(error, dbapi_connection, None):
+                raise exc.InvalidatePoolError() from error
+            raise
 
 
 def _pool_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +152,50 @@ def write(engine: Engine) -> Iterator[Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` on SQLite. Commits on success."""
     with translate_errors(), engine.connect() as conn, conn.begin():
         yield conn
+
+
+def transact(
+    engine: Engine,
+    body: Callable[[Connection], T],
+    *,
+    repeatable: Callable[[], bool] | None = None,
+) -> T:
+    """``body(conn)`` in a write transaction (as ``write``), without the pre-ping.
+
+    The hot paths (a create, a dispatcher's claim and result write) save the
+    ping's round trip. A pooled connection that died while idle then fails the
+    first statement instead of the ping; when a try fails as a disconnect before
+    COMMIT was sent, nothing was committed, and ``body`` runs once more on a new
+    connection (SQLAlchemy has invalidated the dead one, and the pool's older
+    ones with it). A disconnect during COMMIT is raised: the commit may have
+    happened. ``repeatable()``, asked after a failed try, may refuse the second
+    one (the body did something outside the transaction that must not happen
+    twice).
+    """
+    for second in (False, True):
+        committing = False
+        try:
+            with translate_errors(), _connect_unpinged(engine) as conn, conn.begin():
+                result = body(conn)
+                committing = True
+            return result
+        except exc.DBAPIError as error:
+            if (
+                second
+                or committing
+                or not error.connection_invalidated
+                or (repeatable is not None and not repeatable())
+            ):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _connect_unpinged(engine: Engine) -> Connection:
+    token = _NO_PING.set(True)
+    try:
+        return engine.connect()
+    finally:
+        _NO_PING.reset(token)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,105 @@
+"""A pooled connection that died while idle: the create path has no pre-ping, so it retries.
+
+PostgreSQL only: ``pg_terminate_backend`` kills the server side of every pooled
+connection, as a server restart or an idle timeout would. The create's first
+statement then fails as a disconnect, before anything was committed, and the
+transaction runs once more on a new connection: one task, the right receipt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Outbox, db
+from tests.conftest import _admin_engine
+from tests.foundation.conftest import counts
+
+pytestmark = pytest.mark.postgres
+
+TOOL = "create_support_task"
+ARGS = {"subject": "Check delayed delivery"}
+
+
+@pytest.fixture
+def postgres_box(postgres_url: str, clock) -> Outbox:
+    with Outbox(postgres_url, clock=clock) as outbox:
+        outbox.create_tenant("acme")
+        yield outbox
+        assert outbox.engine.pool.checkedout() == 0
+
+
+def _backend_pids(box: Outbox) -> set[int]:
+    """The pooled connections' server processes (each checked out, then returned)."""
+    held = [box.engine.connect() for _ in range(box.engine.pool.checkedin())]
+    try:
+        return {c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() for c in held}
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def _terminate(pids: set[int]) -> None:
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            for pid in pids:
+                # Waits (up to 5 s) until the backend is gone.
+                assert conn.execute(
+                    sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid}
+                ).scalar_one()
+    finally:
+        admin.dispose()
+
+
+def test_a_create_on_a_terminated_connection_runs_again_and_creates_once(postgres_box: Outbox):
+    box = postgres_box
+    box.execute("acme", "op-warm", TOOL, ARGS)  # the pool now holds a used connection
+    pids = _backend_pids(box)
+    assert pids
+    _terminate(pids)
+
+    result = box.execute("acme", "op-1", TOOL, ARGS)
+
+    assert result.created and result.status_code == 201
+    assert result.receipt == {"operation_id": "op-1", "status": "created", "task_id": 2}
+    assert counts(box) == {"tasks": 2, "operations": 2, "outbox": 2}
+    # It ran on a new connection: the dead one was dropped, not reused.
+    assert not _backend_pids(box) & pids
+    assert box.get_operation("acme", "op-1")["receipt"] == result.receipt
+
+
+def test_a_replay_on_a_terminated_connection_answers_the_stored_receipt(postgres_box: Outbox):
+    box = postgres_box
+    first = box.execute("acme", "op-1", TOOL, ARGS)
+    _terminate(_backend_pids(box))
+
+    again = box.execute("acme", "op-1", TOOL, ARGS)
+
+    assert again.replayed and again.receipt_json == first.receipt_json
+    assert counts(box) == {"tasks": 1, "operations": 1, "outbox": 1}
+
+
+def test_other_paths_keep_the_pre_ping(postgres_box: Outbox):
+    box = postgres_box
+    box.execute("acme", "op-1", TOOL, ARGS)
+    _terminate(_backend_pids(box))
+    # A read outside ``db.transact`` pings first and gets a new connection.
+    assert box.get_operation("acme", "op-1")["status_code"] == 201
+
+
+def test_a_second_dead_connection_is_not_retried_again(postgres_box: Outbox, monkeypatch):
+    """At most one more try: a server that keeps dropping us is an error, not a loop."""
+    box = postgres_box
+    box.execute("acme", "op-warm", TOOL, ARGS)
+    calls = []
+
+    def body(conn: sa.Connection) -> None:
+        calls.append(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+        _terminate({calls[-1]})
+        conn.exec_driver_sql("SELECT 1")
+
+    with pytest.raises(sa.exc.DBAPIError) as caught:
+        db.transact(box.engine, body)
+    assert caught.value.connection_invalidated
+    assert len(calls) == 2 and calls[0] != calls[1]
