@@ -14,11 +14,15 @@ creators of one key serialise and the second finds the first's record.
 PostgreSQL: the primary key of ``operations`` is the identity; the insert is
 ``ON CONFLICT DO NOTHING``, which waits for a concurrent inserter of the same
 key to finish. If ours inserted nothing we roll back everything we wrote
-(the task included) and replay what the winner committed.
+(the task included) and replay what the winner committed. On PostgreSQL the
+record and the outbox rows are one statement (a data-modifying CTE whose
+outbox insert selects from the record insert's RETURNING): a conflict inserts
+neither.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -160,6 +164,69 @@ _INSERT_OPERATION = {
     for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }
 _INSERT_EFFECTS = sa.insert(schema.outbox)
+_OPERATION_COLUMNS = (
+    "tenant",
+    "operation_id",
+    "tool",
+    "payload_version",
+    "args_digest",
+    "receipt",
+    "status_code",
+    "task_id",
+    "created_at",
+    "expires_at",
+)
+_EFFECT_COLUMNS = (
+    "effect",
+    "adapter",
+    "payload",
+    "effect_key",
+    "status",
+    "reason",
+    "attempts",
+    "maybe_sent",
+    "next_attempt_at",
+    "deadline_at",
+    "fence",
+    "needs_review",
+    "lookup_attempts",
+    "created_at",
+    "updated_at",
+)
+
+
+@functools.cache
+def _pg_insert_operation_and_effects(count: int) -> sa.Insert:
+    """PostgreSQL: the operation record and ``count`` outbox rows in one statement.
+
+    A data-modifying CTE: the record's insert keeps its ``ON CONFLICT DO
+    NOTHING`` (the identity; it waits for a concurrent inserter of the key),
+    and the outbox rows are selected from what it returned, so a conflict
+    inserts no outbox row either and the statement returns no id. One round
+    trip less than the two inserts; the same rows, in the same transaction.
+    """
+    ops, out = schema.operations, schema.outbox
+    record = (
+        postgresql.insert(ops)
+        .values({name: sa.bindparam(name, type_=ops.c[name].type) for name in _OPERATION_COLUMNS})
+        .on_conflict_do_nothing()
+        .returning(ops.c.tenant, ops.c.operation_id)
+        .cte("record")
+    )
+    rows = [
+        sa.select(
+            record.c.tenant,
+            record.c.operation_id,
+            *(sa.bindparam(f"e{i}_{name}", type_=out.c[name].type) for name in _EFFECT_COLUMNS),
+        )
+        for i in range(count)
+    ]
+    select = rows[0] if count == 1 else sa.union_all(*rows)
+    return (
+        sa.insert(out)
+        .from_select(["tenant", "operation_id", *_EFFECT_COLUMNS], select)
+        .returning(out.c.id)
+    )
 
 
 def _find(conn: Connection, tenant: str, operation_id: str) -> sa.Row[Any] | None:
@@ -206,35 +273,44 @@ def _create(
         "created_at": now,
         "expires_at": now + retention,
     }
+    effects = [
+        {
+            "effect": effect.effect,
+            "adapter": effect.adapter,
+            "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
+            "effect_key": new_effect_key(),
+            "status": states.EffectStatus.PENDING,
+            "reason": states.Reason.CREATED,
+            "attempts": 0,
+            "maybe_sent": False,
+            "next_attempt_at": now,
+            "deadline_at": now + (effect.deadline or effect_deadline),
+            "fence": 0,
+            "needs_review": False,
+            "lookup_attempts": 0,
+            "created_at": now,
+            "updated_at": now,
+        }
+        for effect in output.effects
+    ]
+    if effects and conn.dialect.name == "postgresql":
+        params = dict(values)
+        for i, effect_values in enumerate(effects):
+            params.update({f"e{i}_{name}": value for name, value in effect_values.items()})
+        ids = conn.execute(_pg_insert_operation_and_effects(len(effects)), params).all()
+        if not ids:  # the record's insert met the key: nothing was inserted
+            raise _LostRace()
+        faults.point("create.after_operation_insert")
+        faults.point("create.after_outbox_insert")
+        return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
     inserted = conn.execute(_INSERT_OPERATION[conn.dialect.name], values).first()
     if inserted is None:
         raise _LostRace()
     faults.point("create.after_operation_insert")
-    if output.effects:
+    if effects:
         conn.execute(
             _INSERT_EFFECTS,
-            [
-                {
-                    "tenant": tenant,
-                    "operation_id": operation_id,
-                    "effect": effect.effect,
-                    "adapter": effect.adapter,
-                    "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
-                    "effect_key": new_effect_key(),
-                    "status": states.EffectStatus.PENDING,
-                    "reason": states.Reason.CREATED,
-                    "attempts": 0,
-                    "maybe_sent": False,
-                    "next_attempt_at": now,
-                    "deadline_at": now + (effect.deadline or effect_deadline),
-                    "fence": 0,
-                    "needs_review": False,
-                    "lookup_attempts": 0,
-                    "created_at": now,
-                    "updated_at": now,
-                }
-                for effect in output.effects
-            ],
+            [{"tenant": tenant, "operation_id": operation_id, **e} for e in effects],
         )
     faults.point("create.after_outbox_insert")
     return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
