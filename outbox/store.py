@@ -174,7 +174,16 @@ def claim_due(
     already past their deadline are never sent: ``policy.at_deadline`` settles
     them here (failed, or outcome_unknown when a send may have happened).
     """
-    with db.write(engine) as conn:
+    admitted = False  # admit() keeps counts in memory: a second try must not repeat it
+
+    def admitted_by(candidate: Candidate, at: datetime) -> bool:
+        nonlocal admitted
+        if admit is None:
+            return True
+        admitted = True
+        return admit(candidate, at)
+
+    def body(conn: Connection) -> Claim:
         now_expr = _now_expr(conn, params.now)
         query = sa.select(
             _out.c.id,
@@ -210,7 +219,7 @@ def claim_due(
             )
             if candidate.deadline_at <= now:
                 expired.append(candidate)
-            elif admit is None or admit(candidate, now):
+            elif admitted_by(candidate, now):
                 send.append(candidate.id)
             else:
                 skipped += 1
@@ -218,6 +227,10 @@ def claim_due(
         if expired:
             _settle_at_deadline(conn, expired, now)
         return Claim(claimed, len(expired), skipped, now)
+
+    # No pre-ping (a round trip per pass): a pooled connection found dead before
+    # anything was committed or admitted is replaced, and the claim runs again.
+    return db.transact(engine, body, repeatable=lambda: not admitted)
 
 
 # The claim of chosen ids, with their open attempts, as one statement on
@@ -407,8 +420,9 @@ def finish_attempts(engine: Engine, finishes: Sequence[Finish]) -> Recorded:
         _check(finish.decision)
         if finish.decision.status is S.SUCCEEDED and not finish.provider_ref:
             raise ValueError(f"effect {finish.effect_id}: succeeded needs a provider_ref")
-    with db.write(engine) as conn:
-        held = _write_finishes(conn, finishes)
+    # No pre-ping: a dead pooled connection fails the one statement before COMMIT,
+    # so nothing was written, and the batch is written again on a new connection.
+    held = db.transact(engine, lambda conn: _write_finishes(conn, finishes))
     ids = frozenset(f.effect_id for f in finishes)
     return Recorded(recorded=frozenset(held), late=ids - held)
 

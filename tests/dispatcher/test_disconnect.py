@@ -1,0 +1,118 @@
+"""Terminated server connections: the dispatcher's claim and result write have no pre-ping.
+
+PostgreSQL only: ``pg_terminate_backend`` kills every server process of the
+test database (the pool's and the LISTEN connection), as a restart would. A
+claim or a result write that meets a dead pooled connection before COMMIT runs
+again on a new one; the loop keeps going either way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
+
+from adapters import DeliveryRequest, DeliveryResult
+from outbox import db, faults, schema, settings
+from outbox.states import AttemptOutcome, EffectStatus
+from tests.conftest import _admin_engine
+from tests.dispatcher.support import attempts, seed, statuses
+from tests.dispatcher.test_dispatcher import fake
+
+S = EffectStatus
+
+
+@pytest.fixture(autouse=True)
+def _postgres_only(backend: str) -> None:
+    if backend != "postgres":
+        pytest.skip("a server connection to terminate is PostgreSQL's")
+
+
+def _terminate_all(engine: sa.Engine) -> int:
+    """Kill every server process of the engine's database; wait until they are gone."""
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            pids = conn.execute(
+                sa.text("SELECT pid FROM pg_stat_activity WHERE datname = :db"),
+                {"db": engine.url.database},
+            ).scalars()
+            killed = 0
+            for pid in list(pids):
+                conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+                killed += 1
+            return killed
+    finally:
+        admin.dispose()
+
+
+def _all_delivered(engine: sa.Engine, ids: list[int]) -> None:
+    assert statuses(engine) == {S.SUCCEEDED: len(ids)}
+    for effect_id in ids:
+        (a,) = attempts(engine, effect_id)
+        assert (a.outcome, a.late) == (AttemptOutcome.DELIVERED, False)
+
+
+def test_a_claim_on_a_terminated_connection_runs_again(engine, clock, make_dispatcher) -> None:
+    dispatcher = make_dispatcher(fake(), claim_batch_size=3)
+    ids = seed(engine, 6, now=clock())
+    assert dispatcher.run_once(now=clock()) == 3  # the pool now holds used connections
+    assert _terminate_all(engine) >= 1
+    assert dispatcher.run_once(now=clock()) == 3
+    _all_delivered(engine, ids)
+
+
+def test_results_are_recorded_when_the_connection_dies_after_the_claim(
+    engine, clock, make_dispatcher
+) -> None:
+    dispatcher = make_dispatcher(fake())
+    ids = seed(engine, 4, now=clock())
+    faults.arm("dispatch.after_attempt_commit", lambda: _terminate_all(engine))
+    try:
+        assert dispatcher.run_once(now=clock()) == 4
+    finally:
+        faults.disarm()
+    _all_delivered(engine, ids)
+    assert dispatcher.late_results == 0
+
+
+def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> None:
+    delivered: list[str] = []
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.append(request.effect_key)
+        return DeliveryResult.delivered(f"ref-{request.effect_id}", status_code=201)
+
+    dispatcher = make_dispatcher(fake(*[step] * 20), poll_interval=0.2)
+    # Rows come in through another engine: a ping in this one would heal its pool.
+    other = db.create_engine(
+        settings.load(), url=engine.url.render_as_string(hide_password=False), poolclass=NullPool
+    )
+    ready = threading.Event()
+    thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready})
+    thread.start()
+    try:
+        assert ready.wait(10)
+        ids = seed(other, 2, now=schema.utcnow(), prefix="a")
+        _wait_for_count(delivered, 2)
+        for round_ in range(3):
+            assert _terminate_all(engine) >= 1
+            ids += seed(other, 2, now=schema.utcnow(), prefix=f"r{round_}")
+            _wait_for_count(delivered, len(ids))
+        assert thread.is_alive()
+    finally:
+        dispatcher.request_stop()
+        thread.join(10)
+        other.dispose()
+    assert not thread.is_alive()
+    _all_delivered(engine, ids)
+
+
+def _wait_for_count(delivered: list[str], count: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(delivered) < count:
+        assert time.monotonic() < deadline, "the dispatcher did not deliver in time"
+        time.sleep(0.05)
