@@ -198,7 +198,11 @@ class Dispatcher:
         if found is None:
             s = self.settings
             found = retry.CircuitBreaker(
-                s.breaker_failure_threshold, s.breaker_cooldown, s.breaker_cooldown_max
+                s.breaker_failure_threshold,
+                s.breaker_cooldown,
+                s.breaker_cooldown_max,
+                # A probe normally answers within its lease; one that has not is lost.
+                probe_timeout=s.lease_duration,
             )
             self._breakers[adapter] = found
         return found

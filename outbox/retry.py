@@ -171,8 +171,17 @@ class CircuitBreaker:
     (delivered, or a permanent refusal of one request). Not thread-safe.
     """
 
-    def __init__(self, threshold: int, cooldown: timedelta, cooldown_max: timedelta) -> None:
+    def __init__(
+        self,
+        threshold: int,
+        cooldown: timedelta,
+        cooldown_max: timedelta,
+        probe_timeout: timedelta | None = None,
+    ) -> None:
         self.threshold = threshold
+        # A probe whose result never came back (its pass failed, its process's
+        # work was lost) stops blocking the adapter after this long.
+        self.probe_timeout = probe_timeout if probe_timeout is not None else cooldown_max
         self.cooldown_initial = cooldown
         self.cooldown_max = cooldown_max
         self.state = BreakerState.CLOSED
@@ -181,6 +190,7 @@ class CircuitBreaker:
         self.open_until: datetime | None = None
         self.opened = 0  # times it opened since start: a counter for logs and metrics
         self._probe_out = False
+        self._probe_at: datetime | None = None
 
     def allow(self, now: datetime) -> bool:
         """May a delivery start now? In half-open state, only the first caller's may."""
@@ -192,9 +202,11 @@ class CircuitBreaker:
                 return False
             self.state = BreakerState.HALF_OPEN
             self._probe_out = False
+        if self._probe_lost(now):
+            self._probe_out = False
         if self._probe_out:
             return False
-        self._probe_out = True
+        self._probe_out, self._probe_at = True, now
         return True
 
     def paused(self, now: datetime) -> bool:
@@ -204,7 +216,14 @@ class CircuitBreaker:
         if self.state is BreakerState.OPEN:
             assert self.open_until is not None
             return now < self.open_until
-        return self._probe_out
+        return self._probe_out and not self._probe_lost(now)
+
+    def _probe_lost(self, now: datetime) -> bool:
+        return (
+            self._probe_out
+            and self._probe_at is not None
+            and now - self._probe_at >= self.probe_timeout
+        )
 
     def record_success(self, now: datetime) -> bool:
         """Returns True when this closed a breaker that was open or half-open."""

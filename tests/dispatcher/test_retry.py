@@ -190,3 +190,20 @@ def test_breaker_probe_withdrawn_lets_another_go() -> None:
     assert b.allow(later)
     b.release_probe()
     assert b.allow(later)
+
+
+def test_breaker_probe_lost_without_a_result_stops_blocking_after_its_timeout() -> None:
+    # The pass that took the probe failed before any result: nobody records
+    # success or failure, and nobody releases it.
+    b = retry.CircuitBreaker(
+        3, timedelta(seconds=5), timedelta(seconds=18), probe_timeout=timedelta(seconds=60)
+    )
+    for _ in range(3):
+        b.record_failure(T0)
+    later = T0 + timedelta(seconds=5)
+    assert b.allow(later)
+    assert b.paused(later + timedelta(seconds=59))
+    assert not b.allow(later + timedelta(seconds=59))
+    assert not b.paused(later + timedelta(seconds=60))
+    assert b.allow(later + timedelta(seconds=60))  # another probe
+    assert not b.allow(later + timedelta(seconds=60))  # and only one

@@ -325,6 +325,9 @@ def test_outbox_dev_delivers_a_task_and_leaves_no_child_on_sigterm(tmp_path: Pat
 
         wait_for(lambda: tickets() == 1, 30, "the ticket at the fake provider")
         wait_for(lambda: out.find(r'^dispatcher +\| .*"outcome": "delivered"'), 10, "the log")
+        # The reconciler has nothing to do here; on a loaded machine it may still be
+        # starting when the ticket is delivered. Stop it once it runs, not before.
+        wait_for(lambda: out.find(r"^reconciler +\| .*reconciler started"), 30, "the reconciler")
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
