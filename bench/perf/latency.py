@@ -10,6 +10,12 @@ consumer (woken by LISTEN/NOTIFY on PostgreSQL, by its poll interval on SQLite).
 Baseline (PostgreSQL): INSERT + NOTIFY in one transaction, and a LISTENing
 consumer that claims at once. Peers: pgqueuer and procrastinate enqueueing and
 consuming with their LISTEN/NOTIFY wake-ups.
+
+The producer never starts a create after the window ends: on a loaded host it
+can fall behind its schedule (a create slower than 1/rate), and creates
+committed later than the consumer's drain would be counted as undelivered
+although nobody listened for them. What it could not send in time is reported
+as ``unsent``, and how far it fell behind as ``behind_ms``.
 """
 
 from __future__ import annotations
@@ -38,12 +44,25 @@ def _schedule(start_at: float, end_at: float, rate: float) -> list[float]:
 
 def _produce(start_at: float, end_at: float, rate: float, one: Any) -> dict[str, Any]:
     committed: dict[str, float] = {}
-    for i, at in enumerate(_schedule(start_at + PRODUCER_DELAY_S, end_at, rate)):
+    schedule = _schedule(start_at + PRODUCER_DELAY_S, end_at, rate)
+    behind = 0.0
+    for i, at in enumerate(schedule):
+        if time.monotonic() >= end_at:
+            break  # behind schedule: nobody listens for what commits after the drain
         harness.wait_until(at)
+        behind = max(behind, time.monotonic() - at)
         key = f"lat-{i}"
         one(key, i)
         committed[key] = time.monotonic()
-    return {"committed": committed}
+    return _produced(committed, len(schedule), behind)
+
+
+def _produced(committed: dict[str, float], scheduled: int, behind: float) -> dict[str, Any]:
+    return {
+        "committed": committed,
+        "unsent": scheduled - len(committed),
+        "behind_ms": behind * 1000,
+    }
 
 
 # --- Outbox -----------------------------------------------------------------------
@@ -169,15 +188,20 @@ def pgqueuer_latency(
         async def produce() -> dict[str, Any]:
             conn, queries = await peers._pgq(url)
             committed: dict[str, float] = {}
+            schedule = _schedule(start_at + PRODUCER_DELAY_S, end_at, rate)
+            behind = 0.0
             try:
-                for i, at in enumerate(_schedule(start_at + PRODUCER_DELAY_S, end_at, rate)):
+                for i, at in enumerate(schedule):
+                    if time.monotonic() >= end_at:
+                        break
                     await asyncio.sleep(max(0.0, at - time.monotonic()))
+                    behind = max(behind, time.monotonic() - at)
                     key = f"lat-{i}"
                     await queries.enqueue("noop", key.encode())
                     committed[key] = time.monotonic()
             finally:
                 await conn.close()
-            return {"committed": committed}
+            return _produced(committed, len(schedule), behind)
 
         return asyncio.run(produce())
     seen: dict[str, float] = {}
@@ -197,13 +221,18 @@ def procrastinate_latency(
         async def produce() -> dict[str, Any]:
             app = peers._procrastinate_app(url, [0])
             committed: dict[str, float] = {}
+            schedule = _schedule(start_at + PRODUCER_DELAY_S, end_at, rate)
+            behind = 0.0
             async with app.open_async():
-                for i, at in enumerate(_schedule(start_at + PRODUCER_DELAY_S, end_at, rate)):
+                for i, at in enumerate(schedule):
+                    if time.monotonic() >= end_at:
+                        break
                     await asyncio.sleep(max(0.0, at - time.monotonic()))
+                    behind = max(behind, time.monotonic() - at)
                     key = f"lat-{i}"
                     await app.bench_noop.defer_async(payload=key)
                     committed[key] = time.monotonic()
-            return {"committed": committed}
+            return _produced(committed, len(schedule), behind)
 
         return asyncio.run(produce())
     seen: dict[str, float] = {}
@@ -262,6 +291,8 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, seconds: float) -> N
         "rep": rep,
         "seconds": seconds,
         "creates": len(committed),
+        "unsent": producer["unsent"],
+        "behind_ms": producer["behind_ms"],
         "undelivered": missing,
         "p50_ms": harness.percentile(latencies, 0.50),
         "p90_ms": harness.percentile(latencies, 0.90),
