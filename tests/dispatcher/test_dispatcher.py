@@ -491,3 +491,33 @@ def test_notify_wakes_the_dispatcher_without_waiting_for_the_poll(
     finally:
         dispatcher.request_stop()
         thread.join(10)
+
+
+def test_a_row_inserted_during_a_pass_is_claimed_without_waiting_for_the_poll(
+    engine, backend, make_dispatcher
+) -> None:
+    """The NOTIFY of a row committed while a pass is delivering must not be
+    lost with the pass: the loop claims it at once, not at the next poll."""
+    if backend != "postgres":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
+    started, release, second = threading.Event(), threading.Event(), threading.Event()
+
+    def later(request: DeliveryRequest) -> DeliveryResult:
+        second.set()
+        return DeliveryResult.delivered("ref-2", status_code=201)
+
+    seed(engine, 1, now=schema.utcnow(), prefix="first")
+    dispatcher = make_dispatcher(fake(blocking_step(started, release), later), poll_interval=60)
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert started.wait(10)
+        # Committed while the pass that claimed the first row is still delivering.
+        seed(engine, 1, now=schema.utcnow(), prefix="second")
+        release.set()
+        assert second.wait(5), "the row's NOTIFY was lost; it waited for the poll"
+    finally:
+        release.set()
+        dispatcher.request_stop()
+        thread.join(10)
+    assert statuses(engine) == {S.SUCCEEDED: 2}
