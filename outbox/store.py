@@ -31,7 +31,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
@@ -184,29 +184,21 @@ def claim_due(
         return admit(candidate, at)
 
     def body(conn: Connection) -> Claim:
-        now_expr = _now_expr(conn, params.now)
-        query = sa.select(
-            _out.c.id,
-            _out.c.adapter,
-            _out.c.attempts,
-            _out.c.maybe_sent,
-            _out.c.deadline_at,
-            now_expr.label("db_now"),
-        ).where(_out.c.status == S.PENDING, _out.c.next_attempt_at <= now_expr)
-        held_back: list[sa.ColumnElement[bool]] = []
-        if params.paused_adapters:
-            held_back.append(_out.c.adapter.in_(sorted(params.paused_adapters)))
-        if params.no_retry_adapters:
-            held_back.append(
-                sa.and_(_out.c.adapter.in_(sorted(params.no_retry_adapters)), _out.c.attempts > 0)
-            )
-        if held_back:
-            # A row past its deadline is settled whatever its adapter's state.
-            query = query.where(sa.or_(sa.not_(sa.or_(*held_back)), _out.c.deadline_at <= now_expr))
-        query = query.order_by(_out.c.next_attempt_at, _out.c.id).limit(params.limit)
-        if _is_pg(conn):
-            query = query.with_for_update(skip_locked=True)
-        rows = conn.execute(query).all()
+        rows: Sequence[Any]
+        if (
+            _is_pg(conn)
+            and params.now is None
+            and not (params.paused_adapters or params.no_retry_adapters)
+        ):
+            # The common pass (the database's clock, no adapter held back) goes
+            # straight to the driver: SQLAlchemy's statement building and result
+            # processing were about a quarter of a one-row claim's select.
+            rows = [
+                _Due(r[0], r[1], r[2], r[3], r[4].astimezone(UTC), r[5].astimezone(UTC))
+                for r in conn.exec_driver_sql(_PG_DUE, {"limit": params.limit})
+            ]
+        else:
+            rows = _select_due(conn, params)
         if not rows:
             return Claim([], 0, 0, None)
         now: datetime = rows[0].db_now
@@ -231,6 +223,50 @@ def claim_due(
     # No pre-ping (a round trip per pass): a pooled connection found dead before
     # anything was committed or admitted is replaced, and the claim runs again.
     return db.transact(engine, body, repeatable=lambda: not admitted)
+
+
+class _Due(NamedTuple):
+    id: int
+    adapter: str
+    attempts: int
+    maybe_sent: bool
+    deadline_at: datetime
+    db_now: datetime
+
+
+# ``_select_due`` without held-back adapters, on the database's clock.
+_PG_DUE = f"""
+SELECT id, adapter, attempts, maybe_sent, deadline_at, now() AS db_now FROM outbox
+WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now()
+ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+"""
+
+
+def _select_due(conn: Connection, params: ClaimParams) -> Sequence[Any]:
+    """Due rows, oldest first, without the held-back adapters' (except past their deadline)."""
+    now_expr = _now_expr(conn, params.now)
+    query = sa.select(
+        _out.c.id,
+        _out.c.adapter,
+        _out.c.attempts,
+        _out.c.maybe_sent,
+        _out.c.deadline_at,
+        now_expr.label("db_now"),
+    ).where(_out.c.status == S.PENDING, _out.c.next_attempt_at <= now_expr)
+    held_back: list[sa.ColumnElement[bool]] = []
+    if params.paused_adapters:
+        held_back.append(_out.c.adapter.in_(sorted(params.paused_adapters)))
+    if params.no_retry_adapters:
+        held_back.append(
+            sa.and_(_out.c.adapter.in_(sorted(params.no_retry_adapters)), _out.c.attempts > 0)
+        )
+    if held_back:
+        # A row past its deadline is settled whatever its adapter's state.
+        query = query.where(sa.or_(sa.not_(sa.or_(*held_back)), _out.c.deadline_at <= now_expr))
+    query = query.order_by(_out.c.next_attempt_at, _out.c.id).limit(params.limit)
+    if _is_pg(conn):
+        query = query.with_for_update(skip_locked=True)
+    return conn.execute(query).all()
 
 
 # The claim of chosen ids, with their open attempts, as one statement on
