@@ -164,39 +164,12 @@ _INSERT_OPERATION = {
     for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }
 _INSERT_EFFECTS = sa.insert(schema.outbox)
-_OPERATION_COLUMNS = (
-    "tenant",
-    "operation_id",
-    "tool",
-    "payload_version",
-    "args_digest",
-    "receipt",
-    "status_code",
-    "task_id",
-    "created_at",
-    "expires_at",
-)
-_EFFECT_COLUMNS = (
-    "effect",
-    "adapter",
-    "payload",
-    "effect_key",
-    "status",
-    "reason",
-    "attempts",
-    "maybe_sent",
-    "next_attempt_at",
-    "deadline_at",
-    "fence",
-    "needs_review",
-    "lookup_attempts",
-    "created_at",
-    "updated_at",
-)
 
 
 @functools.cache
-def _pg_insert_operation_and_effects(count: int) -> sa.Insert:
+def _pg_insert_operation_and_effects(
+    operation_columns: tuple[str, ...], effect_columns: tuple[str, ...], count: int
+) -> sa.Insert:
     """PostgreSQL: the operation record and ``count`` outbox rows in one statement.
 
     A data-modifying CTE: the record's insert keeps its ``ON CONFLICT DO
@@ -208,7 +181,7 @@ def _pg_insert_operation_and_effects(count: int) -> sa.Insert:
     ops, out = schema.operations, schema.outbox
     record = (
         postgresql.insert(ops)
-        .values({name: sa.bindparam(name, type_=ops.c[name].type) for name in _OPERATION_COLUMNS})
+        .values({name: sa.bindparam(name, type_=ops.c[name].type) for name in operation_columns})
         .on_conflict_do_nothing()
         .returning(ops.c.tenant, ops.c.operation_id)
         .cte("record")
@@ -217,14 +190,14 @@ def _pg_insert_operation_and_effects(count: int) -> sa.Insert:
         sa.select(
             record.c.tenant,
             record.c.operation_id,
-            *(sa.bindparam(f"e{i}_{name}", type_=out.c[name].type) for name in _EFFECT_COLUMNS),
+            *(sa.bindparam(f"e{i}_{name}", type_=out.c[name].type) for name in effect_columns),
         )
         for i in range(count)
     ]
     select = rows[0] if count == 1 else sa.union_all(*rows)
     return (
         sa.insert(out)
-        .from_select(["tenant", "operation_id", *_EFFECT_COLUMNS], select)
+        .from_select(["tenant", "operation_id", *effect_columns], select)
         .returning(out.c.id)
     )
 
@@ -294,24 +267,23 @@ def _create(
         for effect in output.effects
     ]
     if effects and conn.dialect.name == "postgresql":
+        # One statement: both crash windows fall after it.
         params = dict(values)
         for i, effect_values in enumerate(effects):
             params.update({f"e{i}_{name}": value for name, value in effect_values.items()})
-        ids = conn.execute(_pg_insert_operation_and_effects(len(effects)), params).all()
-        if not ids:  # the record's insert met the key: nothing was inserted
+        statement = _pg_insert_operation_and_effects(tuple(values), tuple(effects[0]), len(effects))
+        if not conn.execute(statement, params).all():  # the key was taken: nothing inserted
             raise _LostRace()
         faults.point("create.after_operation_insert")
-        faults.point("create.after_outbox_insert")
-        return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
-    inserted = conn.execute(_INSERT_OPERATION[conn.dialect.name], values).first()
-    if inserted is None:
-        raise _LostRace()
-    faults.point("create.after_operation_insert")
-    if effects:
-        conn.execute(
-            _INSERT_EFFECTS,
-            [{"tenant": tenant, "operation_id": operation_id, **e} for e in effects],
-        )
+    else:
+        if conn.execute(_INSERT_OPERATION[conn.dialect.name], values).first() is None:
+            raise _LostRace()
+        faults.point("create.after_operation_insert")
+        if effects:
+            conn.execute(
+                _INSERT_EFFECTS,
+                [{"tenant": tenant, "operation_id": operation_id, **e} for e in effects],
+            )
     faults.point("create.after_outbox_insert")
     return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
 
