@@ -333,9 +333,13 @@ def test_a_worker_paused_past_its_lease_before_the_send_does_not_send(
 def test_a_renewed_lease_lets_the_send_go_after_a_pause(engine, make_dispatcher) -> None:
     (effect_id,) = seed(engine, 1, now=schema.utcnow())
     adapter = fake()
-    dispatcher = make_dispatcher(adapter, lease_duration=1.2, lease_renew_interval=0.4)
+    # The lease is longer here than in the test above: the renewal halfway through
+    # the pause only counts if it began before the lease (read before the claim)
+    # could have run out, and a claim slowed down by a loaded machine must not
+    # push it past that.
+    dispatcher = make_dispatcher(adapter, lease_duration=3, lease_renew_interval=1)
     # The renewal job ran while the runner waited: the lease never lapsed.
-    with faults.armed("dispatch.after_attempt_commit", _pause(1.3, dispatcher.renew_leases)):
+    with faults.armed("dispatch.after_attempt_commit", _pause(3.2, dispatcher.renew_leases)):
         assert dispatcher.run_once() == 1
     assert len(adapter.calls) == 1
     assert row(engine, effect_id).status == S.SUCCEEDED
