@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
+from sqlalchemy.dialects.postgresql import psycopg as _psycopg
+from sqlalchemy.dialects.sqlite import pysqlite as _pysqlite
 from sqlalchemy.engine import Connection, Engine
 
-from outbox import errors
+from outbox import errors, schema
 from outbox.settings import Settings
 
 SQLITE_BEGIN_OPTION = "outbox_sqlite_begin"
@@ -95,7 +100,7 @@ def _sqlite_engine(parsed: sa.URL, settings: Settings, busy: float, **kwargs: An
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get(SQLITE_BEGIN_OPTION, "IMMEDIATE")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        driver_execute(conn, f"BEGIN {mode}", ())
 
     return engine
 
@@ -196,6 +201,103 @@ def _connect_unpinged(engine: Engine) -> Connection:
         return engine.connect()
     finally:
         _NO_PING.reset(token)
+
+
+# The dialects that render a statement as its driver's SQL, with named parameters.
+_DRIVER_DIALECTS: dict[str, sa.Dialect] = {
+    "postgresql": _psycopg.dialect(),  # type: ignore[no-untyped-call]
+    "sqlite": _pysqlite.dialect(paramstyle="named"),
+}
+
+
+@functools.cache
+def driver_sql(statement: sa.ClauseElement, backend: str) -> str:
+    """``statement`` as SQL text for ``Connection.exec_driver_sql`` on ``backend``.
+
+    For the hot paths: the statement stays defined once, in SQLAlchemy, and is
+    rendered once per backend; executing the text skips SQLAlchemy's statement
+    cache lookup and its per-parameter binding, which the caller then owns:
+    plain values only (a ``StrEnum``'s value, a timezone-aware datetime on
+    PostgreSQL, ``schema.sqlite_time`` text on SQLite). Parameters are named
+    (``%(name)s`` / ``:name``) and passed as a mapping.
+    """
+    return str(statement.compile(dialect=_DRIVER_DIALECTS[backend]))
+
+
+def driver_values(backend: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain values as the driver takes them, for ``driver_sql`` statements.
+
+    An enum becomes its value; a naive datetime is refused, as
+    ``schema.UTCDateTime`` refuses it, and on SQLite a datetime becomes the
+    text that type stores.
+    """
+    sqlite = backend == "sqlite"
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, Enum):
+            value = value.value
+        elif isinstance(value, datetime):
+            if value.tzinfo is None:
+                raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+            if sqlite:
+                value = schema.sqlite_time(value)
+        out[name] = value
+    return out
+
+
+@functools.cache
+def _insert_row_sql(
+    table: sa.Table, columns: tuple[str, ...], returning: str | None, backend: str
+) -> str:
+    statement = sa.insert(table).values(
+        {name: sa.bindparam(name, type_=table.c[name].type) for name in columns}
+    )
+    if returning is not None:
+        statement = statement.returning(table.c[returning])
+    return driver_sql(statement, backend)
+
+
+def insert_row(
+    conn: Connection, table: sa.Table, values: Mapping[str, Any], returning: str | None = None
+) -> Any:
+    """Insert one row of plain values; return the ``returning`` column's value (or None).
+
+    The statement is rendered once per table and set of columns and goes
+    straight to the driver (``driver_sql``): for rows written on a hot path.
+    """
+    backend = conn.dialect.name
+    sql = _insert_row_sql(table, tuple(values), returning, backend)
+    cursor = driver_execute(conn, sql, driver_values(backend, values))
+    return cursor.fetchone()[0] if returning is not None else None
+
+
+def driver_execute(conn: Connection, sql: str, params: Any, *, many: bool = False) -> Any:
+    """Run ``sql`` on the connection's driver cursor; return the cursor.
+
+    Errors come out as SQLAlchemy's (``exc.DBAPIError`` and its kinds), and a
+    disconnect invalidates the connection, as ``Connection.execute`` would do.
+    """
+    dbapi_connection = conn.connection.dbapi_connection
+    assert dbapi_connection is not None
+    cursor = dbapi_connection.cursor()
+    try:
+        if many:
+            cursor.executemany(sql, params)
+        else:
+            cursor.execute(sql, params)
+    except conn.dialect.loaded_dbapi.Error as error:
+        lost = conn.dialect.is_disconnect(error, dbapi_connection, cursor)
+        if lost:
+            conn.invalidate(error)
+        raise exc.DBAPIError.instance(
+            sql,
+            params,
+            error,
+            conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=lost,
+            dialect=conn.dialect,
+        ) from error
+    return cursor
 
 
 @contextlib.contextmanager

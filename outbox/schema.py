@@ -60,6 +60,18 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
+def sqlite_time(value: datetime | None) -> str | None:
+    """A UTC datetime as ``UTCDateTime`` stores it on SQLite (sortable text).
+
+    For statements sent straight to the driver, which skip the type's binding.
+    """
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def _enum(enum: type[StrEnum], name: str, length: int = 32) -> sa.Enum:
     return sa.Enum(
         enum,

@@ -330,10 +330,10 @@ def _claim(
             )
             for r in rows
         ]
-    started = _sqlite_time(now)
+    started = schema.sqlite_time(now)
     rows = conn.exec_driver_sql(
         _SQLITE_CLAIM.format(marks=", ".join("?" * len(ids))),
-        (owner, _sqlite_time(lease_expires_at), started, *ids),
+        (owner, schema.sqlite_time(lease_expires_at), started, *ids),
     ).fetchall()
     claimed = sorted(
         (
@@ -364,15 +364,6 @@ def _claim(
             [(c.id, c.attempt_no, owner, c.fence, c.effect_key, started) for c in claimed],
         )
     return claimed
-
-
-def _sqlite_time(value: datetime | None) -> str | None:
-    """A UTC datetime as ``schema.UTCDateTime`` stores it on SQLite (sortable text)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _settle_at_deadline(conn: Connection, rows: list[Candidate], now: datetime) -> None:
@@ -590,7 +581,7 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
     held = {f.effect_id for f in finishes if current.get(f.effect_id) == (f.fence, S.IN_FLIGHT)}
     # Straight to the driver's executemany: SQLAlchemy's per-row bind processing
     # costs more than SQLite's update, and this is the hot path.
-    t = _sqlite_time
+    t = schema.sqlite_time
     rows = []
     for f in finishes:
         if f.effect_id not in held:

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy.engine import Connection
 
-from outbox import errors, schema
+from outbox import db, errors, schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +33,24 @@ class EffectSpec:
 
 @dataclass(frozen=True, slots=True)
 class ToolContext:
+    """What a handler gets: the creating transaction's connection, and who and when."""
+
     conn: Connection
     tenant: str
     operation_id: str
     now: datetime
+
+    def insert(
+        self, table: sa.Table, values: Mapping[str, Any], *, returning: str | None = None
+    ) -> Any:
+        """Insert one row in the creating transaction; return ``returning``'s value.
+
+        The fast path for a handler's business row: rendered once per table
+        and columns and sent straight to the driver. Values must be plain
+        (str, int, float, bool, None, an enum, a timezone-aware datetime);
+        anything else goes through ``conn``.
+        """
+        return db.insert_row(self.conn, table, values, returning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +153,9 @@ HELPDESK_ADAPTER = "helpdesk"
 OPEN_TICKET_EFFECT = "open_ticket"
 
 
-_INSERT_TASK = sa.insert(schema.tasks).returning(schema.tasks.c.id)  # built once: hot path
-
-
 def create_support_task(ctx: ToolContext, args: SupportTaskArgs) -> ToolOutput:
-    task_id = ctx.conn.execute(
-        _INSERT_TASK,
+    task_id = ctx.insert(
+        schema.tasks,
         {
             "tenant": ctx.tenant,
             "subject": args.subject,
@@ -155,7 +166,8 @@ def create_support_task(ctx: ToolContext, args: SupportTaskArgs) -> ToolOutput:
             "created_at": ctx.now,
             "updated_at": ctx.now,
         },
-    ).scalar_one()
+        returning="id",
+    )
     effects = []
     if args.helpdesk:
         effects.append(
