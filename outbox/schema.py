@@ -67,9 +67,12 @@ def sqlite_time(value: datetime | None) -> str | None:
     """
     if value is None:
         return None
-    if value.tzinfo is None:
-        raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    if value.tzinfo is not UTC:
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        value = value.astimezone(UTC)
+    # The text SQLAlchemy's SQLite DateTime writes, at a third of strftime's cost.
+    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def _enum(enum: type[StrEnum], name: str, length: int = 32) -> sa.Enum:

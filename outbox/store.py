@@ -185,18 +185,11 @@ def claim_due(
 
     def body(conn: Connection) -> Claim:
         rows: Sequence[Any]
-        if (
-            _is_pg(conn)
-            and params.now is None
-            and not (params.paused_adapters or params.no_retry_adapters)
-        ):
-            # The common pass (the database's clock, no adapter held back) goes
+        if params.now is None and not (params.paused_adapters or params.no_retry_adapters):
+            # The common pass (the current clock, no adapter held back) goes
             # straight to the driver: SQLAlchemy's statement building and result
             # processing were about a quarter of a one-row claim's select.
-            rows = [
-                _Due(r[0], r[1], r[2], r[3], r[4].astimezone(UTC), r[5].astimezone(UTC))
-                for r in conn.exec_driver_sql(_PG_DUE, {"limit": params.limit})
-            ]
+            rows = _due_direct(conn, params.limit)
         else:
             rows = _select_due(conn, params)
         if not rows:
@@ -240,6 +233,28 @@ SELECT id, adapter, attempts, maybe_sent, deadline_at, now() AS db_now FROM outb
 WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now()
 ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 """
+
+
+_SQLITE_DUE = f"""
+SELECT id, adapter, attempts, maybe_sent, deadline_at FROM outbox
+WHERE status = '{S.PENDING.value}' AND next_attempt_at <= ?
+ORDER BY next_attempt_at, id LIMIT ?
+"""
+
+
+def _due_direct(conn: Connection, limit: int) -> list[_Due]:
+    """``_select_due`` for the common pass, as the driver's SQL (a test holds them equal)."""
+    if _is_pg(conn):
+        return [
+            _Due(r[0], r[1], r[2], r[3], r[4].astimezone(UTC), r[5].astimezone(UTC))
+            for r in db.driver_execute(conn, _PG_DUE, {"limit": limit}).fetchall()
+        ]
+    now = schema.utcnow()
+    rows = db.driver_execute(conn, _SQLITE_DUE, (schema.sqlite_time(now), limit)).fetchall()
+    return [
+        _Due(r[0], r[1], r[2], bool(r[3]), datetime.fromisoformat(r[4]).replace(tzinfo=UTC), now)
+        for r in rows
+    ]
 
 
 def _select_due(conn: Connection, params: ClaimParams) -> Sequence[Any]:
@@ -567,17 +582,15 @@ WHERE effect_id = ? AND attempt_no = ? AND fence = ?
 """
 
 
+_SQLITE_FENCES = "SELECT id, fence, status FROM outbox WHERE id IN ({marks})"
+
+
 def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
     # Under BEGIN IMMEDIATE nobody else writes between this read and the
     # updates, so the rows whose fence holds are known before writing.
-    current = {
-        r.id: (r.fence, r.status)
-        for r in conn.execute(
-            sa.select(_out.c.id, _out.c.fence, _out.c.status).where(
-                _ids_match(conn, _out.c.id, [f.effect_id for f in finishes])
-            )
-        )
-    }
+    ids = [f.effect_id for f in finishes]
+    sql = _SQLITE_FENCES.format(marks=", ".join("?" * len(ids)))
+    current = {r[0]: (r[1], r[2]) for r in db.driver_execute(conn, sql, ids).fetchall()}
     held = {f.effect_id for f in finishes if current.get(f.effect_id) == (f.fence, S.IN_FLIGHT)}
     # Straight to the driver's executemany: SQLAlchemy's per-row bind processing
     # costs more than SQLite's update, and this is the hot path.
@@ -603,10 +616,11 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
             )
         )
     if rows:
-        result = conn.exec_driver_sql(_SQLITE_FINISH_ROW, rows)
-        if result.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
+        cursor = db.driver_execute(conn, _SQLITE_FINISH_ROW, rows, many=True)
+        if cursor.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
             raise RuntimeError("a fenced update missed a row it had just seen under the lock")
-    conn.exec_driver_sql(
+    db.driver_execute(
+        conn,
         _SQLITE_FINISH_ATTEMPT,
         [
             (
@@ -622,6 +636,7 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
             )
             for f in finishes
         ],
+        many=True,
     )
     return held
 

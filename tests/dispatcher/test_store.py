@@ -314,14 +314,14 @@ def test_the_effect_key_never_changes(engine, clock) -> None:
     assert {a.effect_key for a in attempts(engine, ids[0])} == {key}
 
 
-def test_the_driver_level_select_finds_what_the_built_select_finds(postgres_url: str) -> None:
+def test_the_driver_level_select_finds_what_the_built_select_finds(db_url: str) -> None:
     """The common claim's select is written twice (a fixed statement for speed,
     the SQLAlchemy one for the other cases): both must pick the same rows."""
     import sqlalchemy as sa
 
     from outbox import db, schema, settings
 
-    engine = db.create_engine(settings.load(), url=postgres_url)
+    engine = db.create_engine(settings.load(), url=db_url)
     try:
         now = schema.utcnow()
         ids = seed(engine, 8, now=now - timedelta(seconds=30))
@@ -345,9 +345,7 @@ def test_the_driver_level_select_finds_what_the_built_select_finds(postgres_url:
         with db.write(engine) as conn:
             built = [tuple(r)[:5] for r in store._select_due(conn, params)]
         with db.write(engine) as conn:
-            direct = [
-                tuple(r)[:5] for r in conn.exec_driver_sql(store._PG_DUE, {"limit": params.limit})
-            ]
+            direct = [tuple(r)[:5] for r in store._due_direct(conn, params.limit)]
         assert [r[0] for r in built] == [ids[7], ids[3], ids[4], ids[5]]
         assert direct == built
     finally:
