@@ -18,7 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.perf import harness
+from bench.perf import floor, harness
 
 TOOL = "create_support_task"
 BODY = "The parcel was promised for Tuesday and has not arrived; please chase the carrier. " * 2
@@ -198,7 +198,7 @@ def run(ctx: Any) -> None:
     for rep in range(ctx.reps):
         for backend in ctx.backends:
             for clients in ctx.create_clients:
-                for system in harness.rotated(["raw", "outbox"], rep):
+                for system in harness.rotated(["raw", "floor", "outbox"], rep):
                     url = ctx.scratch.fresh(backend)
                     try:
                         _measure(ctx, rep, backend, clients, system, url)
@@ -208,11 +208,19 @@ def run(ctx: Any) -> None:
 
 def _measure(ctx: Any, rep: int, backend: str, clients: int, system: str, url: str) -> None:
     common = {"db": backend, "clients": clients, "rep": rep}
-    if system == "raw":
-        reports = ctx.clients.run(RAW_CLIENT[backend], clients, ctx.create_seconds, url=url)
+    if system in ("raw", "floor"):
+        client = RAW_CLIENT[backend] if system == "raw" else floor.create_client
+        reports = ctx.clients.run(client, clients, ctx.create_seconds, url=url)
         ops, span = harness.throughput(reports)
+        note = {"note": floor.NOTE} if system == "floor" else {}
         ctx.out.emit(
-            case="create", system="raw", **common, ops=ops, seconds=span, ops_per_s=ops / span
+            case="create",
+            system=system,
+            **common,
+            **note,
+            ops=ops,
+            seconds=span,
+            ops_per_s=ops / span,
         )
         return
     prefix = f"r{rep}"

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from bench.perf import backlog, harness, peers
+from bench.perf import backlog, floor, harness, peers
 
 BATCH = 100
 RAW_CLAIM_PG = """
@@ -161,17 +161,17 @@ def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> di
         d.engine.dispose()
 
 
-SYSTEMS = {"outbox": outbox_drain, "raw": raw_drain}
+SYSTEMS = {"outbox": outbox_drain, "raw": raw_drain, "floor": floor.drain}
 
 
 def run(ctx: Any) -> None:
     seconds = 2.0 if ctx.quick else 4.0
     for rep in range(ctx.reps):
         for backend in ctx.backends:
-            variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1)]
-            # Quick mode checks for regressions against the baseline only.
+            variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1), ("floor", 1)]
+            # Quick mode checks for regressions against the baselines only.
             if backend == "postgres" and not ctx.quick:
-                variants += [("outbox", 2), ("raw", 2)]
+                variants += [("outbox", 2), ("raw", 2), ("floor", 2)]
                 variants += [(name, 1) for name in peers.DRAINERS if peers.available(name)]
             for system, processes in harness.rotated(variants, rep):
                 _measure(ctx, rep, backend, system, processes, seconds)
@@ -193,9 +193,11 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, processes: int, seco
         finally:
             ctx.scratch.drop(url)
     done, span = harness.throughput(reports)
+    note = {"note": floor.NOTE} if system == "floor" else {}
     ctx.out.emit(
         case="dispatch",
         system=system,
+        **note,
         db=backend,
         processes=processes,
         rep=rep,
