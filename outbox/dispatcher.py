@@ -169,6 +169,9 @@ class Dispatcher:
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._wake = threading.Event()
+        # Set while a LISTEN connection is up: every commit of a row then wakes us.
+        self._listening = threading.Event()
+        self._more_due = False  # the last pass's select was full: more may be due now
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self._holding: list[list[_Task]] = []  # the passes in progress, for lease renewal
@@ -254,7 +257,9 @@ class Dispatcher:
             return 0
         # Read before the claim, so the lease surely lasts until this + lease.
         claim_began = time.monotonic()
-        claim = store.claim_due(self.engine, self._claim_params(now), self._admit)
+        params = self._claim_params(now)
+        claim = store.claim_due(self.engine, params, self._admit)
+        self._more_due = len(claim.effects) + claim.expired + claim.skipped >= params.limit
         if claim.expired:
             logger.info(
                 "settled rows past their deadline without sending",
@@ -676,7 +681,11 @@ class Dispatcher:
                     self._stop.wait(min(s.poll_interval.total_seconds() * failures, 30.0))
                     continue
                 handled += count
-                if count:
+                # Go again at once when more may be due: the last select was full,
+                # or nothing else would tell us of a row committed during the pass.
+                # While LISTEN is up such a row has set the wake-up already, so a
+                # short pass waits for it instead of running an empty select.
+                if count and (self._more_due or not self._listening.is_set()):
                     continue
                 if once:
                     break
@@ -698,11 +707,15 @@ class Dispatcher:
             try:
                 with psycopg.connect(url, autocommit=True) as conn:
                     conn.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
-                    self._wake.set()  # rows may have committed before LISTEN took effect
-                    delay = 0.1
-                    while not self._stop.is_set():
-                        for _ in conn.notifies(timeout=LISTEN_TIMEOUT_SECONDS):
-                            self._wake.set()
+                    self._listening.set()
+                    try:
+                        self._wake.set()  # rows may have committed before LISTEN took effect
+                        delay = 0.1
+                        while not self._stop.is_set():
+                            for _ in conn.notifies(timeout=LISTEN_TIMEOUT_SECONDS):
+                                self._wake.set()
+                    finally:
+                        self._listening.clear()
             except psycopg.Error:
                 logger.warning(
                     "LISTEN connection lost; polling until it is back",

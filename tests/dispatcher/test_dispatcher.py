@@ -525,3 +525,67 @@ def test_a_row_inserted_during_a_pass_is_claimed_without_waiting_for_the_poll(
         dispatcher.request_stop()
         thread.join(10)
     assert statuses(engine) == {S.SUCCEEDED: 2}
+
+
+def test_with_listen_up_a_short_pass_waits_for_the_next_notify(
+    engine, backend, make_dispatcher, monkeypatch
+) -> None:
+    """A pass that found fewer rows than a batch does not run an empty select
+    after it when LISTEN is up: a row committed meanwhile has woken the loop
+    already (the test above), so the extra select would only cost a round trip."""
+    if backend != "postgres":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
+    claims: list[int] = []
+    real_claim = store.claim_due
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        claim = real_claim(*args, **kwargs)
+        claims.append(len(claim.effects))
+        return claim
+
+    monkeypatch.setattr(store, "claim_due", counting)
+    delivered = threading.Event()
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.set()
+        return DeliveryResult.delivered("ref", status_code=201)
+
+    dispatcher = make_dispatcher(fake(step), poll_interval=60)
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert dispatcher._listening.wait(10)
+        time.sleep(0.3)  # the passes LISTEN's first wake-up asked for are over
+        before = len(claims)
+        seed(engine, 1, now=schema.utcnow())
+        assert delivered.wait(5)
+        deadline = time.monotonic() + 5
+        while statuses(engine) != {S.SUCCEEDED: 1} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert claims[before:] == [1], "a short pass was followed by an empty select"
+    finally:
+        dispatcher.request_stop()
+        thread.join(10)
+
+
+def test_with_listen_up_a_full_pass_goes_again_at_once(engine, backend, make_dispatcher) -> None:
+    """A backlog deeper than a batch drains pass after pass, not one batch per poll."""
+    if backend != "postgres":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
+    adapter = fake()
+    dispatcher = make_dispatcher(adapter, poll_interval=60, claim_batch_size=2)
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert dispatcher._listening.wait(10)
+        time.sleep(0.3)
+        seed(engine, 7, now=schema.utcnow())  # one commit, one NOTIFY, four batches
+        deadline = time.monotonic() + 5
+        while statuses(engine) != {S.SUCCEEDED: 7} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert statuses(engine) == {S.SUCCEEDED: 7}, "the loop waited for the poll"
+        assert len(adapter.calls) == 7
+    finally:
+        dispatcher.request_stop()
+        thread.join(10)
