@@ -33,6 +33,8 @@ from outbox import metrics
 from reconciler import sweeps
 
 logger = logging.getLogger("reconciler")
+# How often the main thread wakes to run a signal handler another thread received.
+SIGNAL_CHECK_SECONDS = 0.2
 
 # Rows handled and passes run are outbox.metrics' SWEEP_ROWS / SWEEP_RUNS.
 SWEEP_FAILURES = Counter(
@@ -100,7 +102,11 @@ class Reconciler:
         scheduler.start()
         logger.info("reconciler started: %s", ", ".join(s.name for s, _ in self.jobs))
         try:
-            stop.wait()
+            # With a timeout: a SIGTERM the kernel hands to another thread only
+            # flags the main thread, which must wake to run the handler. A bare
+            # wait() slept through it (seen as a reconciler that ignored SIGTERM).
+            while not stop.wait(SIGNAL_CHECK_SECONDS):
+                pass
         finally:
             # wait=True: passes in progress finish and record what they did.
             scheduler.shutdown(wait=True)
