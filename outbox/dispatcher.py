@@ -247,6 +247,12 @@ class Dispatcher:
             now=now,
             paused_adapters=paused,
             no_retry_adapters=frozenset(spent),
+            # ``_admit`` takes every first attempt of an adapter whose breaker is closed.
+            unsettled_adapters=frozenset(
+                name
+                for name, b in self._breakers.items()
+                if b.state is not retry.BreakerState.CLOSED
+            ),
         )
 
     # --- one pass ----------------------------------------------------------------

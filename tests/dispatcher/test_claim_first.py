@@ -1,0 +1,147 @@
+"""PostgreSQL's one-statement claim of first attempts (``ClaimParams.unsettled_adapters``).
+
+The common pass selects the due rows and claims the first attempts of
+adapters whose breaker is closed in one statement; every other due row comes
+back for admission, as in the two-step claim. Same rows, same state, same
+evidence; one round trip less. These run on the database's clock, which the
+fixed-clock claim tests never reach.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from outbox import db, schema, settings, store
+from outbox.states import EffectStatus, Reason
+from tests.dispatcher.support import attempts, row, seed
+
+S = EffectStatus
+LEASE = timedelta(seconds=60)
+
+
+@pytest.fixture
+def engine(postgres_url: str) -> Iterator[Engine]:
+    """PostgreSQL only: SQLite takes the two steps, which the other claim tests cover."""
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    yield engine
+    engine.dispose()
+
+
+class Admission:
+    """An ``admit`` that records what it was asked and refuses the named adapters."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset(), *, retries: bool = True) -> None:
+        self.refuse = refuse
+        self.retries = retries
+        self.asked: list[store.Candidate] = []
+
+    def __call__(self, candidate: store.Candidate, now: datetime) -> bool:
+        self.asked.append(candidate)
+        if candidate.adapter in self.refuse:
+            return False
+        return candidate.attempts == 0 or self.retries
+
+
+def claim(
+    engine: Engine, admit: Admission, unsettled: frozenset[str] = frozenset(), limit: int = 10
+) -> store.Claim:
+    params = store.ClaimParams(owner="w1", lease=LEASE, limit=limit, unsettled_adapters=unsettled)
+    return store.claim_due(engine, params, admit)
+
+
+def test_first_attempts_are_claimed_with_their_attempt_rows(engine) -> None:
+    ids = seed(engine, 3, now=schema.utcnow() - timedelta(seconds=1))
+    admit = Admission()
+    got = claim(engine, admit, limit=2)
+    assert [c.id for c in got.effects] == ids[:2]
+    assert (got.expired, got.skipped) == (0, 0)
+    for c in got.effects:
+        r = row(engine, c.id)
+        assert (r.status, r.reason, r.lease_owner) == (S.IN_FLIGHT, Reason.CLAIMED, "w1")
+        assert r.lease_expires_at == c.started_at + LEASE == c.lease_expires_at
+        assert (r.fence, r.attempts, c.fence, c.attempt_no) == (1, 1, 1, 1)
+        assert (c.effect_key, c.adapter, c.maybe_sent) == (r.effect_key, "helpdesk", False)
+        assert c.deadline_at == r.deadline_at and c.payload == r.payload
+        (a,) = attempts(engine, c.id)
+        assert (a.worker, a.fence, a.attempt_no, a.effect_key) == ("w1", 1, 1, r.effect_key)
+        assert a.started_at == c.started_at and a.finished_at is None and a.outcome is None
+    # admit still counts every first attempt it let through (the retry budget's window).
+    assert [(a.id, a.attempts) for a in admit.asked] == [(ids[0], 0), (ids[1], 0)]
+    assert row(engine, ids[2]).status == S.PENDING and not attempts(engine, ids[2])
+
+
+def test_the_other_due_rows_go_through_admission_in_the_same_transaction(engine) -> None:
+    now = schema.utcnow() - timedelta(seconds=1)
+    first = seed(engine, 1, now=now, prefix="first")[0]
+    retry = seed(engine, 1, now=now, prefix="retry")[0]
+    expired = seed(engine, 1, now=now, prefix="late", deadline=timedelta(seconds=-5))[0]
+    unsettled = seed(engine, 1, now=now, adapter="crm", prefix="crm")[0]
+    refused_retry = seed(engine, 1, now=now, adapter="billing", prefix="bill")[0]
+    with db.write(engine) as conn:
+        conn.execute(
+            sa.update(schema.outbox)
+            .where(schema.outbox.c.id.in_([retry, refused_retry]))
+            .values(attempts=1, fence=1)
+        )
+    admit = Admission(refuse=frozenset({"crm", "billing"}))
+    got = claim(engine, admit, unsettled=frozenset({"crm"}))
+    assert [c.id for c in got.effects] == [first, retry]  # in id order, as the two steps
+    assert (got.expired, got.skipped) == (1, 2)
+    assert {(a.id, a.attempts) for a in admit.asked} == {
+        (first, 0),
+        (retry, 1),
+        (unsettled, 0),
+        (refused_retry, 1),
+    }
+    r = row(engine, retry)
+    assert (r.status, r.fence, r.attempts) == (S.IN_FLIGHT, 2, 2)
+    assert [a.attempt_no for a in attempts(engine, retry)] == [2]
+    # Past its deadline: settled, never sent, no attempt opened.
+    assert row(engine, expired).status in (S.FAILED, S.OUTCOME_UNKNOWN)
+    assert not attempts(engine, expired)
+    # Refused: left as they were.
+    for i in (unsettled, refused_retry):
+        assert row(engine, i).status == S.PENDING and not attempts(engine, i)
+        assert row(engine, i).lease_owner is None
+
+
+def test_an_admission_that_breaks_the_promise_claims_nothing(engine) -> None:
+    ids = seed(engine, 2, now=schema.utcnow() - timedelta(seconds=1))
+    with pytest.raises(RuntimeError, match="not named unsettled"):
+        claim(engine, Admission(refuse=frozenset({"helpdesk"})))
+    for i in ids:
+        r = row(engine, i)
+        assert (r.status, r.fence, r.attempts, r.lease_owner) == (S.PENDING, 0, 0, None)
+        assert not attempts(engine, i)
+
+
+def test_concurrent_one_statement_claimers_never_share_a_row(engine) -> None:
+    ids = seed(engine, 120, now=schema.utcnow() - timedelta(seconds=1))
+    got: dict[str, list[int]] = {f"w{i}": [] for i in range(4)}
+    barrier = threading.Barrier(4)
+
+    def worker(owner: str) -> None:
+        barrier.wait(5)
+        params = store.ClaimParams(
+            owner=owner, lease=LEASE, limit=7, unsettled_adapters=frozenset()
+        )
+        for _ in range(100):
+            batch = store.claim_due(engine, params, Admission()).effects
+            if not batch:
+                return
+            got[owner].extend(c.id for c in batch)
+
+    threads = [threading.Thread(target=worker, args=(o,)) for o in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    claimed = [i for batch in got.values() for i in batch]
+    assert sorted(claimed) == ids  # every row once, none twice
+    assert all(len(attempts(engine, i)) == 1 for i in ids)
