@@ -195,6 +195,25 @@ def transact(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def autocommit(engine: Engine, body: Callable[[Connection], T]) -> T:
+    """``body(conn)`` on a connection where each statement commits alone (PostgreSQL).
+
+    For one statement that is a whole transaction: no BEGIN and no COMMIT, one
+    round trip. No pre-ping either: a pooled connection that died while idle
+    fails the statement, and ``body`` runs once more on a new connection, so
+    it must be safe to run twice (its statement may have committed before the
+    connection died).
+    """
+    for second in (False, True):
+        try:
+            with translate_errors(), _connect_unpinged(engine) as conn:
+                return body(conn.execution_options(isolation_level="AUTOCOMMIT"))
+        except exc.DBAPIError as error:
+            if second or not error.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _connect_unpinged(engine: Engine) -> Connection:
     token = _NO_PING.set(True)
     try:

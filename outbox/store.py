@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -192,8 +192,6 @@ def claim_due(
     def body(conn: Connection) -> Claim:
         rows: Sequence[Any]
         if params.now is None and not (params.paused_adapters or params.no_retry_adapters):
-            if _is_pg(conn) and params.unsettled_adapters is not None:
-                return _claim_first_attempts(conn, params, admitted_by)
             # The common pass (the current clock, no adapter held back) goes
             # straight to the driver: SQLAlchemy's statement building and result
             # processing were about a quarter of a one-row claim's select.
@@ -208,9 +206,27 @@ def claim_due(
         ]
         return _admit_and_claim(conn, candidates, now, params, admitted_by)
 
+    first: list[Claimed] = []
+    first_now: datetime | None = None
+    if (
+        engine.dialect.name == "postgresql"
+        and params.unsettled_adapters is not None
+        and params.now is None
+        and not (params.paused_adapters or params.no_retry_adapters)
+    ):
+        first, first_now, others = _claim_first_attempts(engine, params, admitted_by)
+        if not others or len(first) >= params.limit:
+            return Claim(first, 0, 0, first_now if first else None)
+        # Due rows that need a decision remain: the two steps, for the rest of the batch.
+        params = replace(params, limit=params.limit - len(first))
+        admitted = False
     # No pre-ping (a round trip per pass): a pooled connection found dead before
     # anything was committed or admitted is replaced, and the claim runs again.
-    return db.transact(engine, body, repeatable=lambda: not admitted)
+    claim = db.transact(engine, body, repeatable=lambda: not admitted)
+    if first_now is None:
+        return claim
+    effects = sorted([*first, *claim.effects], key=lambda c: c.id)
+    return Claim(effects, claim.expired, claim.skipped, first_now)
 
 
 def _admit_and_claim(
@@ -219,7 +235,6 @@ def _admit_and_claim(
     now: datetime,
     params: ClaimParams,
     admitted_by: Callable[[Candidate, datetime], bool],
-    already: Sequence[Claimed] = (),
 ) -> Claim:
     """Settle the due rows past their deadline, claim the admitted ones, skip the rest."""
     send: list[int] = []
@@ -235,21 +250,19 @@ def _admit_and_claim(
     claimed = _claim(conn, send, params.owner, now, now + params.lease) if send else []
     if expired:
         _settle_at_deadline(conn, expired, now)
-    if already:
-        claimed = sorted([*already, *claimed], key=lambda c: c.id)
     return Claim(claimed, len(expired), skipped, now)
 
 
-# The common pass on PostgreSQL in one statement: the due rows, oldest first
-# (the select of ``_select_due``, locked), and, among them, the first attempts
-# of adapters whose breaker is closed claimed at once with their attempt rows
-# (as ``_PG_CLAIM``). The other due rows (retries, rows past their deadline,
-# an unsettled adapter's) come back unclaimed, still locked, for admission.
+# The common pass on PostgreSQL as one statement, committed alone (no BEGIN,
+# no COMMIT: one round trip): among the due rows, oldest first (the select of
+# ``_select_due``), the first attempts of adapters whose breaker is closed are
+# claimed with their attempt rows (as ``_PG_CLAIM``) and returned; whether any
+# other due row (a retry, one past its deadline, an unsettled adapter's) was
+# among them comes back too, so that only then the two steps run for those.
 _PG_CLAIM_FIRST = f"""
 WITH due AS (
-    SELECT id, adapter, attempts, maybe_sent, deadline_at,
-        attempts = 0 AND deadline_at > now() AND adapter <> ALL(%(unsettled)s::varchar[])
-            AS first
+    SELECT id, attempts = 0 AND deadline_at > now() AND adapter <> ALL(%(unsettled)s::varchar[])
+        AS first
     FROM outbox
     WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now()
     ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
@@ -269,35 +282,34 @@ SELECT true, id, tenant, operation_id, effect, adapter, payload, effect_key, att
     maybe_sent, deadline_at, now()
 FROM claimed
 UNION ALL
-SELECT false, id, NULL, NULL, NULL, adapter, NULL, NULL, attempts, NULL, maybe_sent,
-    deadline_at, now()
+SELECT false, count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, now()
 FROM due WHERE NOT first
-ORDER BY 2
 """
 
 
 def _claim_first_attempts(
-    conn: Connection, params: ClaimParams, admitted_by: Callable[[Candidate, datetime], bool]
-) -> Claim:
+    engine: Engine, params: ClaimParams, admitted_by: Callable[[Candidate, datetime], bool]
+) -> tuple[list[Claimed], datetime, bool]:
+    """The one-statement claim: (claimed rows, the database's now, other due rows seen)."""
     assert params.unsettled_adapters is not None
-    rows = db.driver_execute(
-        conn,
-        _PG_CLAIM_FIRST,
-        {
-            "owner": params.owner,
-            "lease": params.lease,
-            "limit": params.limit,
-            "unsettled": sorted(params.unsettled_adapters),
-        },
-    ).fetchall()
-    if not rows:
-        return Claim([], 0, 0, None)
+    statement = {
+        "owner": params.owner,
+        "lease": params.lease,
+        "limit": params.limit,
+        "unsettled": sorted(params.unsettled_adapters),
+    }
+    # Safe to run twice: a claim whose reply was lost holds its rows only until
+    # their lease ends, as a claim whose process died does.
+    rows = db.autocommit(
+        engine, lambda conn: db.driver_execute(conn, _PG_CLAIM_FIRST, statement).fetchall()
+    )
     now: datetime = rows[0][12].astimezone(UTC)
+    others = False
     claimed: list[Claimed] = []
-    rest: list[Candidate] = []
+    refused: list[Finish] = []
     for r in rows:
-        if not r[0]:
-            rest.append(Candidate(r[1], r[5], r[8], r[10], r[11].astimezone(UTC)))
+        if not r[0]:  # the count of the other due rows
+            others = r[1] > 0
             continue
         effect = Claimed(
             id=r[1],
@@ -314,14 +326,27 @@ def _claim_first_attempts(
             lease_expires_at=now + params.lease,
             started_at=now,
         )
-        first = Candidate(effect.id, effect.adapter, 0, effect.maybe_sent, effect.deadline_at)
-        if not admitted_by(first, now):  # the caller broke its promise: claim nothing
-            raise RuntimeError(
-                f"admission refused a first attempt for adapter {effect.adapter!r}, "
-                "which was not named unsettled"
+        # admit() still sees every first attempt, for its counts. Should it refuse
+        # one after all, the row goes back as it was, its attempt ``not_sent``.
+        if admitted_by(
+            Candidate(effect.id, effect.adapter, 0, effect.maybe_sent, effect.deadline_at), now
+        ):
+            claimed.append(effect)
+            continue
+        refused.append(
+            Finish(
+                effect.id,
+                effect.fence,
+                effect.attempt_no,
+                now,
+                AttemptOutcome.NOT_SENT,
+                policy.Decision(S.PENDING, Reason.NOT_SENT, effect.maybe_sent, now),
+                error="refused by admission after the claim; never sent",
             )
-        claimed.append(effect)
-    return _admit_and_claim(conn, rest, now, params, admitted_by, already=claimed)
+        )
+    if refused:
+        finish_attempts(engine, refused)
+    return claimed, now, others or bool(refused)
 
 
 class _Due(NamedTuple):

@@ -1,10 +1,10 @@
 """PostgreSQL's one-statement claim of first attempts (``ClaimParams.unsettled_adapters``).
 
-The common pass selects the due rows and claims the first attempts of
-adapters whose breaker is closed in one statement; every other due row comes
-back for admission, as in the two-step claim. Same rows, same state, same
-evidence; one round trip less. These run on the database's clock, which the
-fixed-clock claim tests never reach.
+The common pass claims the first attempts of adapters whose breaker is closed
+among the due rows in one statement that commits alone (one round trip, where
+the two steps take four); if other due rows were among them, the two steps
+run for those. Same rows, same state, same evidence. These run on the
+database's clock, which the fixed-clock claim tests never reach.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from outbox import db, schema, settings, store
-from outbox.states import EffectStatus, Reason
+from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, seed
+from tests.dispatcher.test_disconnect import _terminate_all
 
 S = EffectStatus
 LEASE = timedelta(seconds=60)
@@ -111,14 +112,32 @@ def test_the_other_due_rows_go_through_admission_in_the_same_transaction(engine)
         assert row(engine, i).lease_owner is None
 
 
-def test_an_admission_that_breaks_the_promise_claims_nothing(engine) -> None:
+def test_a_first_attempt_admission_refuses_after_all_goes_back_unsent(engine) -> None:
+    """The statement commits before admit() is asked; a refusal then gives the row
+    back as it was (pending, due now), its attempt finished ``not_sent``."""
     ids = seed(engine, 2, now=schema.utcnow() - timedelta(seconds=1))
-    with pytest.raises(RuntimeError, match="not named unsettled"):
-        claim(engine, Admission(refuse=frozenset({"helpdesk"})))
+    admit = Admission(refuse=frozenset({"helpdesk"}))
+    got = claim(engine, admit)
+    assert got.effects == []
+    assert got.skipped == 2  # offered again by the two steps, and refused again
     for i in ids:
         r = row(engine, i)
-        assert (r.status, r.fence, r.attempts, r.lease_owner) == (S.PENDING, 0, 0, None)
-        assert not attempts(engine, i)
+        assert (r.status, r.reason, r.lease_owner, r.maybe_sent) == (
+            S.PENDING,
+            Reason.NOT_SENT,
+            None,
+            False,
+        )
+        (a,) = attempts(engine, i)
+        assert (a.outcome, a.late) == (AttemptOutcome.NOT_SENT, False)
+
+
+def test_a_claim_on_a_terminated_connection_runs_again(engine) -> None:
+    ids = seed(engine, 4, now=schema.utcnow() - timedelta(seconds=1))
+    assert [c.id for c in claim(engine, Admission(), limit=2).effects] == ids[:2]
+    assert _terminate_all(engine) >= 1  # the pooled connection is now dead
+    assert [c.id for c in claim(engine, Admission(), limit=2).effects] == ids[2:]
+    assert all(len(attempts(engine, i)) == 1 for i in ids)
 
 
 def test_concurrent_one_statement_claimers_never_share_a_row(engine) -> None:
