@@ -22,6 +22,8 @@ from typing import Any
 from bench.perf import harness, report
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "latest.json"
+# A quick run checks for a regression; it must not replace the full run on record.
+QUICK_RESULTS = RESULTS.with_name("quick.json")
 ALL_CASES = (1, 2, 3, 4, 5, 6)
 QUICK_CASES = (1, 3, 4)
 # Hard stops: the whole run, by mode. A case that would start past its share is skipped.
@@ -77,7 +79,12 @@ def _parse() -> argparse.Namespace:
         "--pg-url",
         default=os.environ.get("OUTBOX_BENCH_POSTGRES_URL", harness.PG_ADMIN_URL_DEFAULT),
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write the results (default: bench/results/latest.json, "
+        "or bench/results/quick.json with --quick)",
+    )
     return parser.parse_args()
 
 
@@ -214,9 +221,10 @@ def main() -> int:
         "table": table,
         "measurements": ctx.out.rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1) + "\n")
-    print(f"\n{len(ctx.out.rows)} measurements in {elapsed:.0f}s; written to {args.out}")
+    out: Path = args.out or (QUICK_RESULTS if quick else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"\n{len(ctx.out.rows)} measurements in {elapsed:.0f}s; written to {out}")
     return 0
 
 
