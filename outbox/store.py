@@ -311,21 +311,7 @@ def _claim_first_attempts(
         if not r[0]:  # the count of the other due rows
             others = r[1] > 0
             continue
-        effect = Claimed(
-            id=r[1],
-            tenant=r[2],
-            operation_id=r[3],
-            effect=r[4],
-            adapter=r[5],
-            payload=r[6],
-            effect_key=r[7],
-            attempt_no=r[8],
-            fence=r[9],
-            maybe_sent=r[10],
-            deadline_at=r[11].astimezone(UTC),
-            lease_expires_at=now + params.lease,
-            started_at=now,
-        )
+        effect = _claimed_row(r[1:12], now, now + params.lease)
         # admit() still sees every first attempt, for its counts. Should it refuse
         # one after all, the row goes back as it was, its attempt ``not_sent``.
         if admitted_by(
@@ -448,6 +434,31 @@ _SQLITE_OPEN_ATTEMPTS = (
 )
 
 
+def _claimed_row(r: Sequence[Any], now: datetime, lease_expires_at: datetime) -> Claimed:
+    """A claim's RETURNING row (id, tenant, operation_id, effect, adapter, payload,
+    effect_key, attempts, fence, maybe_sent, deadline_at), from either driver."""
+    deadline = r[10]
+    return Claimed(
+        id=r[0],
+        tenant=r[1],
+        operation_id=r[2],
+        effect=r[3],
+        adapter=r[4],
+        payload=r[5],
+        effect_key=r[6],
+        attempt_no=r[7],
+        fence=r[8],
+        maybe_sent=bool(r[9]),  # SQLite: 0 or 1
+        deadline_at=(  # SQLite: UTCDateTime's text
+            datetime.fromisoformat(deadline).replace(tzinfo=UTC)
+            if isinstance(deadline, str)
+            else deadline.astimezone(UTC)
+        ),
+        lease_expires_at=lease_expires_at,
+        started_at=now,
+    )
+
+
 def _claim(
     conn: Connection, ids: list[int], owner: str, now: datetime, lease_expires_at: datetime
 ) -> list[Claimed]:
@@ -458,48 +469,14 @@ def _claim(
             _PG_CLAIM,
             {"ids": ids, "owner": owner, "now": now, "lease_expires_at": lease_expires_at},
         ).fetchall()
-        return [
-            Claimed(
-                id=r[0],
-                tenant=r[1],
-                operation_id=r[2],
-                effect=r[3],
-                adapter=r[4],
-                payload=r[5],
-                effect_key=r[6],
-                attempt_no=r[7],
-                fence=r[8],
-                maybe_sent=r[9],
-                deadline_at=r[10].astimezone(UTC),
-                lease_expires_at=lease_expires_at,
-                started_at=now,
-            )
-            for r in rows
-        ]
+        return [_claimed_row(r, now, lease_expires_at) for r in rows]
     started = schema.sqlite_time(now)
     rows = conn.exec_driver_sql(
         _SQLITE_CLAIM.format(marks=", ".join("?" * len(ids))),
         (owner, schema.sqlite_time(lease_expires_at), started, *ids),
     ).fetchall()
     claimed = sorted(
-        (
-            Claimed(
-                id=r[0],
-                tenant=r[1],
-                operation_id=r[2],
-                effect=r[3],
-                adapter=r[4],
-                payload=r[5],
-                effect_key=r[6],
-                attempt_no=r[7],
-                fence=r[8],
-                maybe_sent=bool(r[9]),
-                deadline_at=datetime.fromisoformat(r[10]).replace(tzinfo=UTC),
-                lease_expires_at=lease_expires_at,
-                started_at=now,
-            )
-            for r in rows
-        ),
+        (_claimed_row(r, now, lease_expires_at) for r in rows),
         key=lambda c: c.id,
     )
     if claimed:

@@ -10,7 +10,6 @@ Replay: the same keys again, every call answered from the stored receipt.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -151,16 +150,7 @@ def _sqlite_ts(value: datetime) -> str:
 
 
 def raw_sqlite_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
-    path = sa.make_url(url).database
-    assert path
-    conn = sqlite3.connect(path, isolation_level=None, timeout=5, check_same_thread=False)
-    for pragma in (
-        "journal_mode=WAL",
-        "foreign_keys=ON",
-        "synchronous=NORMAL",
-        "busy_timeout=5000",
-    ):
-        conn.execute(f"PRAGMA {pragma}")
+    conn = harness.sqlite_connect(url, check_same_thread=False)
     task, effect = _rows(client, 0, datetime.now(UTC))
     task_sql = _insert_sql("raw_tasks", task, "named", " RETURNING id")
     effect_sql = _insert_sql("raw_outbox", effect, "named")

@@ -14,7 +14,6 @@ so the figure is the steady-state rate, not a tail.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 import uuid
 from typing import Any
@@ -82,14 +81,7 @@ def raw_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[
 def _raw_drain_sqlite(owner: str, start_at: float, end_at: float, url: str) -> dict[str, Any]:
     from datetime import UTC, datetime, timedelta
 
-    conn = sqlite3.connect(sa.make_url(url).database or "", isolation_level=None, timeout=5)
-    for pragma in (
-        "journal_mode=WAL",
-        "foreign_keys=ON",
-        "synchronous=NORMAL",
-        "busy_timeout=5000",
-    ):
-        conn.execute(f"PRAGMA {pragma}")
+    conn = harness.sqlite_connect(url)
 
     def ts(value: datetime) -> str:
         return value.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")

@@ -81,7 +81,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
             tuple(record), effect_columns, 1
         )
     else:
-        conn = _sqlite(url)
+        conn = harness.sqlite_connect(url)
         insert_record = create._insert_operation(backend, tuple(record))
         insert_effect = create._insert_effects(backend, tuple(effect))
 
@@ -119,18 +119,6 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
         conn.close()
 
 
-def _sqlite(url: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(sa.make_url(url).database or "", isolation_level=None, timeout=5)
-    for pragma in (
-        "journal_mode=WAL",
-        "foreign_keys=ON",
-        "synchronous=NORMAL",
-        "busy_timeout=5000",
-    ):
-        conn.execute(f"PRAGMA {pragma}")
-    return conn
-
-
 # --- case 3: a dispatcher's pass with a no-op adapter ------------------------------
 
 
@@ -139,7 +127,7 @@ def drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str,
     the fenced results with the attempts' ends, commit. No admission, no threads."""
     owner = f"floor-{client}-{uuid.uuid4().hex[:6]}"
     pg = sa.make_url(url).get_backend_name() != "sqlite"
-    conn: Any = psycopg.connect(backlog.conninfo(url)) if pg else _sqlite(url)
+    conn: Any = psycopg.connect(backlog.conninfo(url)) if pg else harness.sqlite_connect(url)
     try:
         harness.wait_until(start_at)
         started = time.monotonic()

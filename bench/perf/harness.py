@@ -218,6 +218,24 @@ class Clients:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def sqlite_connect(url: str, *, check_same_thread: bool = True) -> sqlite3.Connection:
+    """A bare sqlite3 connection set up as ``outbox.db`` sets up its own (WAL,
+    foreign keys, ``synchronous=NORMAL``, a busy timeout), in autocommit mode."""
+    path = sa.make_url(url).database
+    assert path
+    conn = sqlite3.connect(
+        path, isolation_level=None, timeout=5, check_same_thread=check_same_thread
+    )
+    for pragma in (
+        "journal_mode=WAL",
+        "foreign_keys=ON",
+        "synchronous=NORMAL",
+        "busy_timeout=5000",
+    ):
+        conn.execute(f"PRAGMA {pragma}")
+    return conn
+
+
 def wait_until(start_at: float) -> None:
     delay = start_at - time.monotonic()
     if delay > 0:

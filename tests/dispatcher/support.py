@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -223,3 +223,27 @@ def provider_on(app: Starlette, kind: str) -> Iterator[Provider]:
         for adapter in made:
             adapter.close()
         app.state.ledger.close()
+
+
+def claim_concurrently(
+    claim_batch: Callable[[str], Sequence[int]], workers: int = 4, passes: int = 100
+) -> list[int]:
+    """``workers`` threads released together, each claiming batches (``claim_batch(owner)``
+    returns the ids it claimed) until one comes back empty; every id claimed, in order."""
+    got: dict[str, list[int]] = {f"w{i}": [] for i in range(workers)}
+    barrier = threading.Barrier(workers)
+
+    def worker(owner: str) -> None:
+        barrier.wait(5)
+        for _ in range(passes):
+            batch = claim_batch(owner)
+            if not batch:
+                return
+            got[owner].extend(batch)
+
+    threads = [threading.Thread(target=worker, args=(o,)) for o in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [i for batch in got.values() for i in batch]

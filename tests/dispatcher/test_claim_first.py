@@ -9,7 +9,6 @@ database's clock, which the fixed-clock claim tests never reach.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
@@ -19,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from outbox import db, schema, settings, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
-from tests.dispatcher.support import attempts, row, seed
+from tests.dispatcher.support import attempts, claim_concurrently, row, seed
 from tests.dispatcher.test_disconnect import _terminate_all
 
 S = EffectStatus
@@ -142,25 +141,12 @@ def test_a_claim_on_a_terminated_connection_runs_again(engine) -> None:
 
 def test_concurrent_one_statement_claimers_never_share_a_row(engine) -> None:
     ids = seed(engine, 120, now=schema.utcnow() - timedelta(seconds=1))
-    got: dict[str, list[int]] = {f"w{i}": [] for i in range(4)}
-    barrier = threading.Barrier(4)
 
-    def worker(owner: str) -> None:
-        barrier.wait(5)
+    def claim_batch(owner: str) -> list[int]:
         params = store.ClaimParams(
             owner=owner, lease=LEASE, limit=7, unsettled_adapters=frozenset()
         )
-        for _ in range(100):
-            batch = store.claim_due(engine, params, Admission()).effects
-            if not batch:
-                return
-            got[owner].extend(c.id for c in batch)
+        return [c.id for c in store.claim_due(engine, params, Admission()).effects]
 
-    threads = [threading.Thread(target=worker, args=(o,)) for o in got]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    claimed = [i for batch in got.values() for i in batch]
-    assert sorted(claimed) == ids  # every row once, none twice
+    assert sorted(claim_concurrently(claim_batch)) == ids  # every row once, none twice
     assert all(len(attempts(engine, i)) == 1 for i in ids)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any
 
@@ -13,7 +12,7 @@ import adapters
 from outbox import policy, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.conftest import Clock
-from tests.dispatcher.support import attempts, row, rows, seed
+from tests.dispatcher.support import attempts, claim_concurrently, row, rows, seed
 
 S = EffectStatus
 LEASE = timedelta(seconds=60)
@@ -79,24 +78,11 @@ def test_a_claimed_row_is_not_claimed_again(engine, clock) -> None:
 
 def test_concurrent_claimers_never_share_a_row(engine, clock) -> None:
     ids = seed(engine, 120, now=clock())
-    got: dict[str, list[int]] = {f"w{i}": [] for i in range(4)}
-    barrier = threading.Barrier(4)
 
-    def worker(owner: str) -> None:
-        barrier.wait(5)
-        for _ in range(100):
-            batch = claim(engine, clock, owner=owner, limit=7).effects
-            if not batch:
-                return
-            got[owner].extend(c.id for c in batch)
+    def claim_batch(owner: str) -> list[int]:
+        return [c.id for c in claim(engine, clock, owner=owner, limit=7).effects]
 
-    threads = [threading.Thread(target=worker, args=(o,)) for o in got]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    claimed = [i for batch in got.values() for i in batch]
-    assert sorted(claimed) == ids  # every row once, none twice
+    assert sorted(claim_concurrently(claim_batch)) == ids  # every row once, none twice
     assert all(len(attempts(engine, i)) == 1 for i in ids[:10])
 
 
