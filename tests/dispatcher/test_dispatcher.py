@@ -563,7 +563,9 @@ def test_with_listen_up_a_short_pass_waits_for_the_next_notify(
         while statuses(engine) != {S.SUCCEEDED: 1} and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)
-        assert claims[before:] == [1], "a short pass was followed by an empty select"
+        after = claims[before:]
+        # A late empty pass from LISTEN's first wake-up may come first; none after.
+        assert after.count(1) == 1 and after[-1] == 1, f"claims after the seed: {after}"
     finally:
         dispatcher.request_stop()
         thread.join(10)
