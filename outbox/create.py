@@ -187,15 +187,6 @@ def _insert_operation(backend: str, columns: tuple[str, ...]) -> str:
 
 
 @functools.cache
-def _insert_effects(backend: str, columns: tuple[str, ...]) -> str:
-    out = schema.outbox
-    statement = sa.insert(out).values(
-        {name: sa.bindparam(name, type_=out.c[name].type) for name in columns}
-    )
-    return db.driver_sql(statement, backend)
-
-
-@functools.cache
 def _pg_insert_operation_and_effects(
     operation_columns: tuple[str, ...], effect_columns: tuple[str, ...], count: int
 ) -> str:
@@ -285,8 +276,8 @@ def _create(
             "adapter": effect.adapter,
             "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
             "effect_key": new_effect_key(),
-            "status": states.EffectStatus.PENDING.value,
-            "reason": states.Reason.CREATED.value,
+            "status": states.EffectStatus.PENDING,
+            "reason": states.Reason.CREATED,
             "attempts": 0,
             "maybe_sent": False,
             "next_attempt_at": now,
@@ -300,27 +291,25 @@ def _create(
         for effect in output.effects
     ]
     backend = conn.dialect.name
+    values = db.driver_values(backend, values)
+    effects = [db.driver_values(backend, e) for e in effects]
     if effects and backend == "postgresql":
         # One statement: both crash windows fall after it.
         params = dict(values)
         for i, effect_values in enumerate(effects):
             params.update({f"e{i}_{name}": value for name, value in effect_values.items()})
         sql = _pg_insert_operation_and_effects(tuple(values), tuple(effects[0]), len(effects))
-        if not db.driver_execute(
-            conn, sql, params
-        ).fetchall():  # the key was taken: nothing inserted
+        if not db.driver_execute(conn, sql, params).fetchall():  # the key was taken
             raise _LostRace()
         faults.point("create.after_operation_insert")
     else:
-        values = db.driver_values(backend, values)
-        effects = [db.driver_values(backend, e) for e in effects]
         sql = _insert_operation(backend, tuple(values))
         if db.driver_execute(conn, sql, values).fetchone() is None:
             raise _LostRace()
         faults.point("create.after_operation_insert")
         if effects:
             rows = [{"tenant": tenant, "operation_id": operation_id, **e} for e in effects]
-            sql = _insert_effects(backend, tuple(rows[0]))
+            sql = db.insert_sql(schema.outbox, tuple(rows[0]), None, backend)
             db.driver_execute(conn, sql, rows if len(rows) > 1 else rows[0], many=len(rows) > 1)
     faults.point("create.after_outbox_insert")
     return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)

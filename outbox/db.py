@@ -177,22 +177,19 @@ def transact(
     one (the body did something outside the transaction that must not happen
     twice).
     """
-    for second in (False, True):
+    committing = False
+
+    def attempt() -> T:
+        nonlocal committing
         committing = False
-        try:
-            with translate_errors(), _connect_unpinged(engine) as conn, conn.begin():
-                result = body(conn)
-                committing = True
-            return result
-        except exc.DBAPIError as error:
-            if (
-                second
-                or committing
-                or not error.connection_invalidated
-                or (repeatable is not None and not repeatable())
-            ):
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+        with translate_errors(), _connect_unpinged(engine) as conn, conn.begin():
+            result = body(conn)
+            committing = True
+        return result
+
+    return _once_more_if_disconnected(
+        attempt, lambda: not committing and (repeatable is None or repeatable())
+    )
 
 
 def autocommit(engine: Engine, body: Callable[[Connection], T]) -> T:
@@ -204,14 +201,24 @@ def autocommit(engine: Engine, body: Callable[[Connection], T]) -> T:
     it must be safe to run twice (its statement may have committed before the
     connection died).
     """
-    for second in (False, True):
-        try:
-            with translate_errors(), _connect_unpinged(engine) as conn:
-                return body(conn.execution_options(isolation_level="AUTOCOMMIT"))
-        except exc.DBAPIError as error:
-            if second or not error.connection_invalidated:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    def attempt() -> T:
+        with translate_errors(), _connect_unpinged(engine) as conn:
+            return body(conn.execution_options(isolation_level="AUTOCOMMIT"))
+
+    return _once_more_if_disconnected(attempt, lambda: True)
+
+
+def _once_more_if_disconnected(attempt: Callable[[], T], repeatable: Callable[[], bool]) -> T:
+    """``attempt()``, and once more if it failed on a connection SQLAlchemy found dead
+    (it has invalidated that one, and the pool's older ones with it) and
+    ``repeatable()`` allows it."""
+    try:
+        return attempt()
+    except exc.DBAPIError as error:
+        if not error.connection_invalidated or not repeatable():
+            raise
+    return attempt()
 
 
 def _connect_unpinged(engine: Engine) -> Connection:
@@ -265,9 +272,10 @@ def driver_values(backend: str, values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def _insert_row_sql(
+def insert_sql(
     table: sa.Table, columns: tuple[str, ...], returning: str | None, backend: str
 ) -> str:
+    """An INSERT of ``columns`` into ``table`` (RETURNING ``returning``), as ``driver_sql``."""
     statement = sa.insert(table).values(
         {name: sa.bindparam(name, type_=table.c[name].type) for name in columns}
     )
@@ -285,7 +293,7 @@ def insert_row(
     straight to the driver (``driver_sql``): for rows written on a hot path.
     """
     backend = conn.dialect.name
-    sql = _insert_row_sql(table, tuple(values), returning, backend)
+    sql = insert_sql(table, tuple(values), returning, backend)
     cursor = driver_execute(conn, sql, driver_values(backend, values))
     return cursor.fetchone()[0] if returning is not None else None
 

@@ -173,14 +173,21 @@ def claim_due(
     params: ClaimParams,
     admit: Callable[[Candidate, datetime], bool] | None = None,
 ) -> Claim:
-    """Claim up to ``params.limit`` due rows and open one attempt for each, in one transaction.
+    """Claim up to ``params.limit`` due rows and open one attempt for each before any send.
 
     ``admit(candidate, now)`` may refuse a row (retry budget, breaker probe
     already out): it stays ``pending``, untouched, for a later claim. Due rows
     already past their deadline are never sent: ``policy.at_deadline`` settles
     them here (failed, or outcome_unknown when a send may have happened).
+
+    The two steps (select, then admit and claim) run in one transaction. On
+    PostgreSQL, with ``params.unsettled_adapters`` given, first attempts are
+    claimed before them by one statement that commits alone, and the two
+    steps run only if other due rows were seen, for the rest of the batch.
     """
     admitted = False  # admit() keeps counts in memory: a second try must not repeat it
+    # The common pass: the current clock, no adapter held back.
+    common = params.now is None and not (params.paused_adapters or params.no_retry_adapters)
 
     def admitted_by(candidate: Candidate, at: datetime) -> bool:
         nonlocal admitted
@@ -189,37 +196,43 @@ def claim_due(
         admitted = True
         return admit(candidate, at)
 
-    def body(conn: Connection) -> Claim:
-        rows: Sequence[Any]
-        if params.now is None and not (params.paused_adapters or params.no_retry_adapters):
-            # The common pass (the current clock, no adapter held back) goes
-            # straight to the driver: SQLAlchemy's statement building and result
-            # processing were about a quarter of a one-row claim's select.
-            rows = _due_direct(conn, params.limit)
-        else:
-            rows = _select_due(conn, params)
-        if not rows:
-            return Claim([], 0, 0, None)
-        now: datetime = rows[0].db_now
-        candidates = [
-            Candidate(r.id, r.adapter, r.attempts, r.maybe_sent, r.deadline_at) for r in rows
-        ]
-        return _admit_and_claim(conn, candidates, now, params, admitted_by)
-
     first: list[Claimed] = []
     first_now: datetime | None = None
-    if (
-        engine.dialect.name == "postgresql"
-        and params.unsettled_adapters is not None
-        and params.now is None
-        and not (params.paused_adapters or params.no_retry_adapters)
-    ):
+    if common and engine.dialect.name == "postgresql" and params.unsettled_adapters is not None:
         first, first_now, others = _claim_first_attempts(engine, params, admitted_by)
         if not others or len(first) >= params.limit:
             return Claim(first, 0, 0, first_now if first else None)
         # Due rows that need a decision remain: the two steps, for the rest of the batch.
         params = replace(params, limit=params.limit - len(first))
         admitted = False
+
+    def body(conn: Connection) -> Claim:
+        # The common pass goes straight to the driver: SQLAlchemy's statement building
+        # and result processing were about a quarter of a one-row claim's select.
+        rows: Sequence[Any] = (
+            _due_direct(conn, params.limit) if common else _select_due(conn, params)
+        )
+        if not rows:
+            return Claim([], 0, 0, None)
+        now: datetime = rows[0].db_now
+        send: list[int] = []
+        expired: list[Candidate] = []
+        skipped = 0
+        for row in rows:
+            candidate = Candidate(
+                row.id, row.adapter, row.attempts, row.maybe_sent, row.deadline_at
+            )
+            if candidate.deadline_at <= now:
+                expired.append(candidate)
+            elif admitted_by(candidate, now):
+                send.append(candidate.id)
+            else:
+                skipped += 1
+        claimed = _claim(conn, send, params.owner, now, now + params.lease) if send else []
+        if expired:
+            _settle_at_deadline(conn, expired, now)
+        return Claim(claimed, len(expired), skipped, now)
+
     # No pre-ping (a round trip per pass): a pooled connection found dead before
     # anything was committed or admitted is replaced, and the claim runs again.
     claim = db.transact(engine, body, repeatable=lambda: not admitted)
@@ -229,28 +242,22 @@ def claim_due(
     return Claim(effects, claim.expired, claim.skipped, first_now)
 
 
-def _admit_and_claim(
-    conn: Connection,
-    candidates: list[Candidate],
-    now: datetime,
-    params: ClaimParams,
-    admitted_by: Callable[[Candidate, datetime], bool],
-) -> Claim:
-    """Settle the due rows past their deadline, claim the admitted ones, skip the rest."""
-    send: list[int] = []
-    expired: list[Candidate] = []
-    skipped = 0
-    for candidate in candidates:
-        if candidate.deadline_at <= now:
-            expired.append(candidate)
-        elif admitted_by(candidate, now):
-            send.append(candidate.id)
-        else:
-            skipped += 1
-    claimed = _claim(conn, send, params.owner, now, now + params.lease) if send else []
-    if expired:
-        _settle_at_deadline(conn, expired, now)
-    return Claim(claimed, len(expired), skipped, now)
+# What every claim statement returns for a claimed row, in this order
+# (``_claimed_row`` reads it by position).
+_CLAIMED = (
+    "id",
+    "tenant",
+    "operation_id",
+    "effect",
+    "adapter",
+    "payload",
+    "effect_key",
+    "attempts",
+    "fence",
+    "maybe_sent",
+    "deadline_at",
+)
+_CLAIMED_SQL = ", ".join(_CLAIMED)
 
 
 # The common pass on PostgreSQL as one statement, committed alone (no BEGIN,
@@ -272,17 +279,15 @@ WITH due AS (
         fence = o.fence + 1, attempts = o.attempts + 1, updated_at = now()
     FROM due
     WHERE o.id = due.id AND due.first
-    RETURNING o.id, o.tenant, o.operation_id, o.effect, o.adapter, o.payload, o.effect_key,
-        o.attempts, o.fence, o.maybe_sent, o.deadline_at
+    RETURNING {", ".join(f"o.{c}" for c in _CLAIMED)}
 ), opened AS (
     INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)
     SELECT id, attempts, %(owner)s, fence, effect_key, now(), false FROM claimed
 )
-SELECT true, id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
-    maybe_sent, deadline_at, now()
+SELECT true, {_CLAIMED_SQL}, now()
 FROM claimed
 UNION ALL
-SELECT false, count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, now()
+SELECT false, count(*), {", ".join(["NULL"] * (len(_CLAIMED) - 1))}, now()
 FROM due WHERE NOT first
 """
 
@@ -303,7 +308,7 @@ def _claim_first_attempts(
     rows = db.autocommit(
         engine, lambda conn: db.driver_execute(conn, _PG_CLAIM_FIRST, statement).fetchall()
     )
-    now: datetime = rows[0][12].astimezone(UTC)
+    now: datetime = rows[0][-1].astimezone(UTC)
     others = False
     claimed: list[Claimed] = []
     refused: list[Finish] = []
@@ -311,7 +316,7 @@ def _claim_first_attempts(
         if not r[0]:  # the count of the other due rows
             others = r[1] > 0
             continue
-        effect = _claimed_row(r[1:12], now, now + params.lease)
+        effect = _claimed_row(r[1:-1], now, now + params.lease)
         # admit() still sees every first attempt, for its counts. Should it refuse
         # one after all, the row goes back as it was, its attempt ``not_sent``.
         if admitted_by(
@@ -410,14 +415,12 @@ WITH claimed AS (
         lease_owner = %(owner)s, lease_expires_at = %(lease_expires_at)s,
         fence = fence + 1, attempts = attempts + 1, updated_at = %(now)s
     WHERE id = ANY(%(ids)s::bigint[]) AND status = '{S.PENDING.value}'
-    RETURNING id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
-        maybe_sent, deadline_at
+    RETURNING {_CLAIMED_SQL}
 ), opened AS (
     INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)
     SELECT id, attempts, %(owner)s, fence, effect_key, %(now)s, false FROM claimed
 )
-SELECT id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
-    maybe_sent, deadline_at
+SELECT {_CLAIMED_SQL}
 FROM claimed ORDER BY id
 """
 _SQLITE_CLAIM = f"""
@@ -425,8 +428,7 @@ UPDATE outbox SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.valu
     lease_owner = ?, lease_expires_at = ?, fence = fence + 1, attempts = attempts + 1,
     updated_at = ?
 WHERE id IN ({{marks}}) AND status = '{S.PENDING.value}'
-RETURNING id, tenant, operation_id, effect, adapter, payload, effect_key, attempts, fence,
-    maybe_sent, deadline_at
+RETURNING {_CLAIMED_SQL}
 """
 _SQLITE_OPEN_ATTEMPTS = (
     "INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)"
@@ -435,8 +437,7 @@ _SQLITE_OPEN_ATTEMPTS = (
 
 
 def _claimed_row(r: Sequence[Any], now: datetime, lease_expires_at: datetime) -> Claimed:
-    """A claim's RETURNING row (id, tenant, operation_id, effect, adapter, payload,
-    effect_key, attempts, fence, maybe_sent, deadline_at), from either driver."""
+    """A claim's row of ``_CLAIMED`` columns, from either driver."""
     deadline = r[10]
     return Claimed(
         id=r[0],

@@ -73,7 +73,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     backend = "sqlite" if sa.make_url(url).get_backend_name() == "sqlite" else "postgresql"
     task, record, effect = _create_rows(client, 0)
     find = db.driver_sql(create._FIND, backend)
-    insert_task = db._insert_row_sql(schema.tasks, tuple(task), "id", backend)
+    insert_task = db.insert_sql(schema.tasks, tuple(task), "id", backend)
     effect_columns = tuple(k for k in effect if k not in ("tenant", "operation_id"))
     if backend == "postgresql":
         conn: Any = psycopg.connect(backlog.conninfo(url))
@@ -83,7 +83,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     else:
         conn = harness.sqlite_connect(url)
         insert_record = create._insert_operation(backend, tuple(record))
-        insert_effect = create._insert_effects(backend, tuple(effect))
+        insert_effect = db.insert_sql(schema.outbox, tuple(effect), None, backend)
 
     def one(i: int) -> None:
         task, record, effect = _create_rows(client, i)

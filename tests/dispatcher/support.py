@@ -21,6 +21,7 @@ from adapters import helpdesk
 from fake_provider import FaultSpec
 from fake_provider.testing import ProviderTransport
 from outbox import create, db, digest, schema, states
+from tests.conftest import _admin_engine
 from tests.support.servers import serve_in_thread
 
 TENANT = "acme"
@@ -247,3 +248,21 @@ def claim_concurrently(
     for t in threads:
         t.join(30)
     return [i for batch in got.values() for i in batch]
+
+
+def terminate_backends(engine: Engine) -> int:
+    """Kill every server process of the engine's database; wait until they are gone."""
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            pids = conn.execute(
+                sa.text("SELECT pid FROM pg_stat_activity WHERE datname = :db"),
+                {"db": engine.url.database},
+            ).scalars()
+            killed = 0
+            for pid in list(pids):
+                conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+                killed += 1
+            return killed
+    finally:
+        admin.dispose()

@@ -18,8 +18,7 @@ from sqlalchemy.engine import Engine
 
 from outbox import db, schema, settings, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
-from tests.dispatcher.support import attempts, claim_concurrently, row, seed
-from tests.dispatcher.test_disconnect import _terminate_all
+from tests.dispatcher.support import attempts, claim_concurrently, row, seed, terminate_backends
 
 S = EffectStatus
 LEASE = timedelta(seconds=60)
@@ -134,7 +133,7 @@ def test_a_first_attempt_admission_refuses_after_all_goes_back_unsent(engine) ->
 def test_a_claim_on_a_terminated_connection_runs_again(engine) -> None:
     ids = seed(engine, 4, now=schema.utcnow() - timedelta(seconds=1))
     assert [c.id for c in claim(engine, Admission(), limit=2).effects] == ids[:2]
-    assert _terminate_all(engine) >= 1  # the pooled connection is now dead
+    assert terminate_backends(engine) >= 1  # the pooled connection is now dead
     assert [c.id for c in claim(engine, Admission(), limit=2).effects] == ids[2:]
     assert all(len(attempts(engine, i)) == 1 for i in ids)
 

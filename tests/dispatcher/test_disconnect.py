@@ -18,8 +18,7 @@ from sqlalchemy.pool import NullPool
 from adapters import DeliveryRequest, DeliveryResult
 from outbox import db, faults, schema, settings
 from outbox.states import AttemptOutcome, EffectStatus
-from tests.conftest import _admin_engine
-from tests.dispatcher.support import attempts, seed, statuses
+from tests.dispatcher.support import attempts, seed, statuses, terminate_backends
 from tests.dispatcher.test_dispatcher import fake
 
 S = EffectStatus
@@ -29,24 +28,6 @@ S = EffectStatus
 def _postgres_only(backend: str) -> None:
     if backend != "postgres":
         pytest.skip("a server connection to terminate is PostgreSQL's")
-
-
-def _terminate_all(engine: sa.Engine) -> int:
-    """Kill every server process of the engine's database; wait until they are gone."""
-    admin = _admin_engine()
-    try:
-        with admin.connect() as conn:
-            pids = conn.execute(
-                sa.text("SELECT pid FROM pg_stat_activity WHERE datname = :db"),
-                {"db": engine.url.database},
-            ).scalars()
-            killed = 0
-            for pid in list(pids):
-                conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
-                killed += 1
-            return killed
-    finally:
-        admin.dispose()
 
 
 def _all_delivered(engine: sa.Engine, ids: list[int]) -> None:
@@ -60,7 +41,7 @@ def test_a_claim_on_a_terminated_connection_runs_again(engine, clock, make_dispa
     dispatcher = make_dispatcher(fake(), claim_batch_size=3)
     ids = seed(engine, 6, now=clock())
     assert dispatcher.run_once(now=clock()) == 3  # the pool now holds used connections
-    assert _terminate_all(engine) >= 1
+    assert terminate_backends(engine) >= 1
     assert dispatcher.run_once(now=clock()) == 3
     _all_delivered(engine, ids)
 
@@ -70,7 +51,7 @@ def test_results_are_recorded_when_the_connection_dies_after_the_claim(
 ) -> None:
     dispatcher = make_dispatcher(fake())
     ids = seed(engine, 4, now=clock())
-    faults.arm("dispatch.after_attempt_commit", lambda: _terminate_all(engine))
+    faults.arm("dispatch.after_attempt_commit", lambda: terminate_backends(engine))
     try:
         assert dispatcher.run_once(now=clock()) == 4
     finally:
@@ -99,7 +80,7 @@ def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> No
         ids = seed(other, 2, now=schema.utcnow(), prefix="a")
         _wait_for_count(delivered, 2)
         for round_ in range(3):
-            assert _terminate_all(engine) >= 1
+            assert terminate_backends(engine) >= 1
             ids += seed(other, 2, now=schema.utcnow(), prefix=f"r{round_}")
             _wait_for_count(delivered, len(ids))
         assert thread.is_alive()
