@@ -16,12 +16,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+import adapters
 from outbox import db, schema, settings, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, claim_concurrently, row, seed, terminate_backends
 
 S = EffectStatus
 LEASE = timedelta(seconds=60)
+HONOURS = adapters.Capabilities(True, True, 2.0)
 
 
 @pytest.fixture
@@ -136,6 +138,33 @@ def test_a_claim_on_a_terminated_connection_runs_again(engine) -> None:
     assert terminate_backends(engine) >= 1  # the pooled connection is now dead
     assert [c.id for c in claim(engine, Admission(), limit=2).effects] == ids[2:]
     assert all(len(attempts(engine, i)) == 1 for i in ids)
+
+
+def test_a_claim_whose_reply_was_lost_comes_back_at_lease_expiry_with_its_key(engine) -> None:
+    """The statement committed, then the reply was lost (or the process died): the
+    rows stay claimed, sent by nobody, until their lease runs out; the reconciler's
+    lease expiry then returns them (honouring adapter) with the key they had."""
+    ids = seed(engine, 2, now=schema.utcnow() - timedelta(seconds=1))
+    lost = claim(engine, Admission())  # what it returned never reaches anyone
+    keys = {c.id: c.effect_key for c in lost.effects}
+    assert sorted(keys) == ids
+    # Until the lease ends nobody takes them again, and no key is minted.
+    assert claim(engine, Admission()).effects == []
+    after_lease = schema.utcnow() + LEASE + timedelta(seconds=1)
+    settled = store.expire_leases(
+        engine,
+        capabilities_for=lambda _: HONOURS,
+        max_attempts=5,
+        now=after_lease,  # the sweep's clock, a lease later ...
+        retry_at=lambda _at, _n: schema.utcnow(),  # ... due again on the database's clock
+    )
+    assert settled == 2
+    again = claim(engine, Admission())
+    assert {c.id: c.effect_key for c in again.effects} == keys
+    for i in ids:
+        first_try, second_try = attempts(engine, i)
+        assert first_try.outcome is AttemptOutcome.ABANDONED  # it may have been sent
+        assert second_try.effect_key == first_try.effect_key and second_try.attempt_no == 2
 
 
 def test_concurrent_one_statement_claimers_never_share_a_row(engine) -> None:
