@@ -13,19 +13,40 @@ Concurrency. SQLite: the transaction starts with ``BEGIN IMMEDIATE``, so two
 creators of one key serialise and the second finds the first's record.
 PostgreSQL: the primary key of ``operations`` is the identity; the insert is
 ``ON CONFLICT DO NOTHING``, which waits for a concurrent inserter of the same
-key to finish. If ours inserted nothing we roll back everything we wrote
-(the task included) and replay what the winner committed. On PostgreSQL the
-record and the outbox rows are one statement (a data-modifying CTE whose
-outbox insert selects from the record insert's RETURNING): a conflict inserts
-neither.
+key to finish. If ours inserted nothing, nothing of ours is kept and we replay
+what the winner committed.
+
+PostgreSQL, one statement. A create is two round trips: the lookup of the key,
+then one statement that commits alone (autocommit) and writes everything: a
+data-modifying CTE inserts the record (unless the key has a tombstone, and
+``ON CONFLICT DO NOTHING``), and the handler's rows and the outbox rows are
+selected from what that insert returned, so a lost race or a tombstone writes
+nothing at all. One statement is one transaction: the rows commit together or
+not at all, as in the transaction it replaces, without BEGIN and COMMIT and
+the round trips between them. The handler's rows are collected, not sent, while
+it runs (``ctx.insert``); a row's auto-incremented id is drawn beforehand from
+the table's sequence, in blocks (``_Ids``).
+
+SQLite: one ``BEGIN IMMEDIATE`` transaction of plain statements on the pooled
+driver connection (``db.direct_write``); the handler's rows are written as it
+calls ``ctx.insert``.
+
+Both fast paths send their statements straight to the driver. A handler that
+takes ``ctx.conn`` (a SQLAlchemy ``Connection``) is run again in an ordinary
+SQLAlchemy transaction: the general path, with the same rows and guarantees,
+at the cost of its round trips.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import threading
 import uuid
+import weakref
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -74,6 +95,24 @@ class _LostRace(Exception):
     """PostgreSQL: a concurrent transaction committed this key first."""
 
 
+class _NeedsTransaction(BaseException):
+    """The handler took ``ctx.conn`` on the one-statement path: run it in a transaction.
+
+    A ``BaseException``, so that a handler's ``except Exception`` cannot swallow it.
+    """
+
+
+class _Request(NamedTuple):
+    spec: tools.Tool
+    args: Any
+    tenant: str
+    operation_id: str
+    args_digest: str
+    now: datetime
+    retention: timedelta
+    effect_deadline: timedelta
+
+
 def validate_operation_id(operation_id: Any) -> str:
     if not isinstance(operation_id, str) or not OPERATION_ID.match(operation_id):
         raise errors.InvalidOperationId(
@@ -112,27 +151,30 @@ def execute(
     arg_values = args.model_dump(mode="json")
     args_digest = digest.args_digest(spec.name, spec.payload_version, arg_values)
 
-    def body(conn: Connection) -> ExecuteResult:
+    request = _Request(
+        spec, args, tenant, operation_id, args_digest, now, retention, effect_deadline
+    )
+
+    def body(conn: db.Driver) -> ExecuteResult:
         found = _find(conn, tenant, operation_id)
         if found is not None:
             return _answer_existing(tenant, operation_id, args_digest, found)
-        return _create(
-            conn,
-            spec,
-            args,
-            tenant=tenant,
-            operation_id=operation_id,
-            args_digest=args_digest,
-            now=now,
-            retention=retention,
-            effect_deadline=effect_deadline,
-        )
+        return _create(conn, request, conn if isinstance(conn, Connection) else None)
 
     try:
-        # No pre-ping: a dead pooled connection fails a statement instead, and
-        # the transaction runs again on a new one. That is safe because nothing
-        # committed, and the key makes a second run a replay if anything had.
-        return db.transact(engine, body)
+        try:
+            if engine.dialect.name == "postgresql":
+                # No pre-ping, and once more on a new connection if this one was
+                # dead: safe, because the second run looks the key up first and
+                # replays if the first run's statement did commit.
+                return db.autocommit(engine, lambda conn: _one_statement(engine, conn, request))
+            return db.direct_write(engine, body)
+        except _NeedsTransaction:
+            # The handler takes ``ctx.conn``: a SQLAlchemy transaction. No pre-ping:
+            # a dead pooled connection fails a statement instead, and the
+            # transaction runs again on a new one. That is safe because nothing
+            # committed, and the key makes a second run a replay if anything had.
+            return db.transact(engine, body)
     except _LostRace:
         pass
     except exc.IntegrityError as error:
@@ -187,43 +229,155 @@ def _insert_operation(backend: str, columns: tuple[str, ...]) -> str:
 
 
 @functools.cache
-def _pg_insert_operation_and_effects(
-    operation_columns: tuple[str, ...], effect_columns: tuple[str, ...], count: int
+def _pg_create(
+    operation_columns: tuple[str, ...],
+    rows: tuple[tuple[sa.Table, tuple[str, ...]], ...],
+    effect_columns: tuple[str, ...],
+    count: int,
 ) -> str:
-    """PostgreSQL: the operation record and ``count`` outbox rows in one statement.
+    """PostgreSQL: the record, the handler's ``rows`` and ``count`` outbox rows, one statement.
 
-    A data-modifying CTE: the record's insert keeps its ``ON CONFLICT DO
-    NOTHING`` (the identity; it waits for a concurrent inserter of the key),
-    and the outbox rows are selected from what it returned, so a conflict
-    inserts no outbox row either and the statement returns no id. One round
-    trip less than the two inserts; the same rows, in the same transaction.
+    A data-modifying CTE. The record's insert is guarded by the key's
+    tombstone and keeps its ``ON CONFLICT DO NOTHING`` (the identity; it waits
+    for a concurrent inserter of the key); every other row is selected from
+    what it returned, so a conflict or a tombstone inserts nothing at all and
+    the statement returns no row. Parameters: the record's columns by name,
+    row ``i``'s as ``r{i}_<column>``, effect ``i``'s as ``e{i}_<column>``.
     """
-    ops, out = schema.operations, schema.outbox
+    ops, out, tombs = schema.operations, schema.outbox, schema.tombstones
+
+    def bind(prefix: str, table: sa.Table, name: str) -> sa.BindParameter[Any]:
+        return sa.bindparam(f"{prefix}{name}", type_=table.c[name].type)
+
+    tombstone = sa.exists().where(
+        tombs.c.tenant == bind("", ops, "tenant"),
+        tombs.c.operation_id == bind("", ops, "operation_id"),
+    )
     record = (
         postgresql.insert(ops)
-        .values({name: sa.bindparam(name, type_=ops.c[name].type) for name in operation_columns})
+        .from_select(
+            list(operation_columns),
+            sa.select(*(bind("", ops, name) for name in operation_columns)).where(~tombstone),
+        )
         .on_conflict_do_nothing()
         .returning(ops.c.tenant, ops.c.operation_id)
         .cte("record")
     )
-    rows = [
-        sa.select(
-            record.c.tenant,
-            record.c.operation_id,
-            *(sa.bindparam(f"e{i}_{name}", type_=out.c[name].type) for name in effect_columns),
+    writes = [
+        sa.insert(table)
+        .from_select(
+            list(columns),
+            sa.select(*(bind(f"r{i}_", table, name) for name in columns)).select_from(record),
         )
-        for i in range(count)
+        .cte(f"row{i}")
+        for i, (table, columns) in enumerate(rows)
     ]
-    select = rows[0] if count == 1 else sa.union_all(*rows)
-    statement = (
-        sa.insert(out)
-        .from_select(["tenant", "operation_id", *effect_columns], select)
-        .returning(out.c.id)
-    )
+    if count:
+        effects = [
+            sa.select(
+                record.c.tenant,
+                record.c.operation_id,
+                *(bind(f"e{i}_", out, name) for name in effect_columns),
+            )
+            for i in range(count)
+        ]
+        select = effects[0] if count == 1 else sa.union_all(*effects)
+        writes.append(
+            sa.insert(out)
+            .from_select(["tenant", "operation_id", *effect_columns], select)
+            .cte("effects")
+        )
+    statement = sa.select(record.c.tenant).add_cte(*writes)
     return db.driver_sql(statement, "postgresql")
 
 
-def _find(conn: Connection, tenant: str, operation_id: str) -> _Found | None:
+_NEXT_IDS = (
+    "SELECT nextval(pg_get_serial_sequence(%(table)s, %(column)s)) FROM generate_series(1, {})"
+)
+
+
+class _Ids:
+    """Auto-incremented ids drawn from a table's sequence before its row is written.
+
+    A block at a time (one round trip per ``BLOCK`` rows), so the row can
+    travel in the create's one statement with its id already known. A sequence
+    hands out each value once, whatever becomes of the transaction that drew
+    it, so an id drawn and never used is a gap, as a rolled-back insert's is;
+    ids are unique, not dense, and not in commit order across processes (they
+    never were). The blocks belong to an engine (a new engine may be a new
+    database) and a forked child drops them: it must not use its parent's.
+    """
+
+    BLOCK = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: weakref.WeakKeyDictionary[Engine, dict[str, deque[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def take(self, engine: Engine, conn: db.Driver, table: sa.Table, column: str) -> int:
+        with self._lock:
+            free = self._free.setdefault(engine, {}).setdefault(table.fullname, deque())
+            if not free:
+                sql = _NEXT_IDS.format(self.BLOCK)
+                params = {"table": table.fullname, "column": column}
+                free.extend(row[0] for row in db.driver_execute(conn, sql, params).fetchall())
+            return free.popleft()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = weakref.WeakKeyDictionary()
+
+
+_IDS = _Ids()
+os.register_at_fork(after_in_child=_IDS.clear)
+
+
+@functools.cache
+def _serial_column(table: sa.Table) -> str | None:
+    """The table's auto-incremented integer primary key, if it has one."""
+    key = list(table.primary_key.columns)
+    serial = len(key) == 1 and key[0].autoincrement in (True, "auto")
+    return key[0].name if serial and isinstance(key[0].type, sa.Integer) else None
+
+
+class _Immediate:
+    """Rows go to the transaction at once; ``ctx.conn`` is there only on the general path."""
+
+    def __init__(self, driver: db.Driver, conn: Connection | None) -> None:
+        self._driver, self._conn = driver, conn
+
+    def connection(self) -> Connection:
+        if self._conn is None:
+            raise _NeedsTransaction()
+        return self._conn
+
+    def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any:
+        return db.insert_row(self._driver, table, values, returning)
+
+
+class _Collected:
+    """The one-statement path's writer: rows are kept, to be sent with the record."""
+
+    def __init__(self, engine: Engine, conn: db.Driver) -> None:
+        self._engine, self._conn = engine, conn
+        self.rows: list[tuple[sa.Table, dict[str, Any]]] = []
+
+    def connection(self) -> Connection:
+        raise _NeedsTransaction()
+
+    def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any:
+        row = dict(values)
+        if returning is not None and returning not in row:
+            if returning != _serial_column(table):
+                raise _NeedsTransaction()  # only the database knows it before the insert
+            row[returning] = _IDS.take(self._engine, self._conn, table, returning)
+        self.rows.append((table, db.driver_values("postgresql", row)))
+        return None if returning is None else row[returning]
+
+
+def _find(conn: db.Driver, tenant: str, operation_id: str) -> _Found | None:
     """One round trip for both the live record and its tombstone."""
     sql = db.driver_sql(_FIND, conn.dialect.name)
     row = db.driver_execute(conn, sql, {"tenant": tenant, "operation_id": operation_id}).fetchone()
@@ -243,68 +397,56 @@ def _answer_existing(
     return ExecuteResult(tenant, operation_id, False, found.status_code, found.receipt)
 
 
-def _create(
-    conn: Connection,
-    spec: tools.Tool,
-    args: Any,
-    *,
-    tenant: str,
-    operation_id: str,
-    args_digest: str,
-    now: datetime,
-    retention: timedelta,
-    effect_deadline: timedelta,
-) -> ExecuteResult:
-    output = spec.handler(tools.ToolContext(conn, tenant, operation_id, now), args)
-    faults.point("create.after_task_insert")
-    receipt_json = encode_receipt(output.receipt)
-    values = {
-        "tenant": tenant,
-        "operation_id": operation_id,
-        "tool": spec.name,
-        "payload_version": spec.payload_version,
-        "args_digest": args_digest,
-        "receipt": receipt_json,
-        "status_code": CREATED_STATUS,
-        "task_id": output.task_id,
-        "created_at": now,
-        "expires_at": now + retention,
-    }
-    effects = [
-        {
-            "effect": effect.effect,
-            "adapter": effect.adapter,
-            "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
-            "effect_key": new_effect_key(),
-            "status": states.EffectStatus.PENDING,
-            "reason": states.Reason.CREATED,
-            "attempts": 0,
-            "maybe_sent": False,
-            "next_attempt_at": now,
-            "deadline_at": now + (effect.deadline or effect_deadline),
-            "fence": 0,
-            "needs_review": False,
-            "lookup_attempts": 0,
-            "created_at": now,
-            "updated_at": now,
-        }
-        for effect in output.effects
-    ]
+def _one_statement(engine: Engine, conn: db.Driver, request: _Request) -> ExecuteResult:
+    """PostgreSQL, autocommit: look the key up, then write everything in one statement."""
+    tenant, operation_id = request.tenant, request.operation_id
+    found = _find(conn, tenant, operation_id)
+    if found is None:
+        writer = _Collected(engine, conn)
+        output = _run_handler(writer, request)
+        receipt_json, record, effects = _record_and_effects(request, output, "postgresql")
+        # The writes are one statement that commits alone: the crash windows of
+        # the general path's transaction all fall here, before it is sent.
+        faults.point("create.after_operation_insert")
+        faults.point("create.after_outbox_insert")
+        params = dict(record)
+        for i, (_, row) in enumerate(writer.rows):
+            params.update({f"r{i}_{name}": value for name, value in row.items()})
+        for i, effect in enumerate(effects):
+            params.update({f"e{i}_{name}": value for name, value in effect.items()})
+        sql = _pg_create(
+            tuple(record),
+            tuple((table, tuple(row)) for table, row in writer.rows),
+            tuple(effects[0]) if effects else (),
+            len(effects),
+        )
+        if db.driver_execute(conn, sql, params).fetchone() is not None:
+            return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
+        # A concurrent create of the key committed first (or it has just expired).
+        found = _find(conn, tenant, operation_id)
+        if found is None:  # pragma: no cover - the statement found the record or tombstone
+            raise errors.Busy()
+    return _answer_existing(tenant, operation_id, request.args_digest, found)
+
+
+def _create(conn: db.Driver, request: _Request, sa_conn: Connection | None) -> ExecuteResult:
+    """Inside the transaction: the handler writes at once, and may take ``sa_conn``."""
+    output = _run_handler(_Immediate(conn, sa_conn), request)
     backend = conn.dialect.name
-    values = db.driver_values(backend, values)
-    effects = [db.driver_values(backend, e) for e in effects]
-    if effects and backend == "postgresql":
-        # One statement: both crash windows fall after it.
-        params = dict(values)
-        for i, effect_values in enumerate(effects):
-            params.update({f"e{i}_{name}": value for name, value in effect_values.items()})
-        sql = _pg_insert_operation_and_effects(tuple(values), tuple(effects[0]), len(effects))
-        if not db.driver_execute(conn, sql, params).fetchall():  # the key was taken
+    receipt_json, record, effects = _record_and_effects(request, output, backend)
+    tenant, operation_id = request.tenant, request.operation_id
+    if backend == "postgresql":
+        # One statement for the record and the outbox rows: both crash windows fall after it.
+        params = dict(record)
+        for i, effect in enumerate(effects):
+            params.update({f"e{i}_{name}": value for name, value in effect.items()})
+        sql = _pg_create(tuple(record), (), tuple(effects[0]) if effects else (), len(effects))
+        if db.driver_execute(conn, sql, params).fetchone() is None:  # the key was taken
             raise _LostRace()
         faults.point("create.after_operation_insert")
     else:
-        sql = _insert_operation(backend, tuple(values))
-        if db.driver_execute(conn, sql, values).fetchone() is None:
+        sql = _insert_operation(backend, tuple(record))
+        if db.driver_execute(conn, sql, record).fetchone() is None:
             raise _LostRace()
         faults.point("create.after_operation_insert")
         if effects:
@@ -313,6 +455,69 @@ def _create(
             db.driver_execute(conn, sql, rows if len(rows) > 1 else rows[0], many=len(rows) > 1)
     faults.point("create.after_outbox_insert")
     return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
+
+
+def _run_handler(writer: tools.RowWriter, request: _Request) -> tools.ToolOutput:
+    ctx = tools.ToolContext(writer, request.tenant, request.operation_id, request.now)
+    output = request.spec.handler(ctx, request.args)
+    faults.point("create.after_task_insert")
+    return output
+
+
+def _record_and_effects(
+    request: _Request, output: tools.ToolOutput, backend: str
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """The receipt, and the record's and the outbox rows' values as the driver takes them.
+
+    Built as plain values at once (``db.driver_values``' job, done here for the
+    three instants every row shares: a create converts each once).
+    """
+    now = request.now
+    when = schema.sqlite_time if backend == "sqlite" else _same
+    created, expires = when(now), when(now + request.retention)
+    receipt_json = encode_receipt(output.receipt)
+    record = {
+        "tenant": request.tenant,
+        "operation_id": request.operation_id,
+        "tool": request.spec.name,
+        "payload_version": request.spec.payload_version,
+        "args_digest": request.args_digest,
+        "receipt": receipt_json,
+        "status_code": CREATED_STATUS,
+        "task_id": output.task_id,
+        "created_at": created,
+        "expires_at": expires,
+    }
+    default_deadline = when(now + request.effect_deadline)
+    effects = [
+        {
+            "effect": effect.effect,
+            "adapter": effect.adapter,
+            "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
+            "effect_key": new_effect_key(),
+            "status": _PENDING,
+            "reason": _CREATED,
+            "attempts": 0,
+            "maybe_sent": False,
+            "next_attempt_at": created,
+            "deadline_at": when(now + effect.deadline) if effect.deadline else default_deadline,
+            "fence": 0,
+            "needs_review": False,
+            "lookup_attempts": 0,
+            "created_at": created,
+            "updated_at": created,
+        }
+        for effect in output.effects
+    ]
+    return receipt_json, record, effects
+
+
+_PENDING = states.EffectStatus.PENDING.value
+_CREATED = states.Reason.CREATED.value
+
+
+def _same(value: datetime) -> datetime:
+    return value
 
 
 def _integrity_error(error: exc.IntegrityError, tenant: str) -> errors.OutboxError:

@@ -7,7 +7,10 @@ with an exception to raise, or with a callable (``os._exit`` to die for real).
 Points:
 
 - ``create.after_task_insert``, ``create.after_operation_insert``,
-  ``create.after_outbox_insert``: inside the creating transaction.
+  ``create.after_outbox_insert``: inside the creating transaction. On
+  PostgreSQL's one-statement create, whose writes commit alone as one
+  statement, they fire in that order just before it is sent: the last moment
+  at which nothing is committed.
 - ``dispatch.after_attempt_commit``: the attempt row is committed, nothing sent.
 - ``dispatch.after_send_before_finish``: the provider answered; nothing recorded.
 """

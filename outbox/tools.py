@@ -1,10 +1,13 @@
 """The tool registry, and the bundled tool ``create_support_task``.
 
 A tool is a name, a payload version, a pydantic model of its arguments, and a
-handler. The handler runs *inside* the creating transaction: it writes the
-local rows on the connection it is given and returns the receipt and the
-effects to enqueue. It must not talk to the outside world: that is what the
-effects are for.
+handler. The handler's writes are part of the creating transaction: it writes
+the local rows through its context (``ctx.insert``, or ``ctx.conn`` for
+anything else) and returns the receipt and the effects to enqueue. It must not
+talk to the outside world (that is what the effects are for), and it may be
+run twice for one create (after a lost connection, or when it reaches for
+``ctx.conn`` on the one-statement path): only its database writes count, and
+only the run that commits keeps them.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy.engine import Connection
 
-from outbox import db, errors, schema
+from outbox import errors, schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,26 +34,47 @@ class EffectSpec:
     deadline: timedelta | None = None  # None: the adapter's / the settings' default
 
 
+class RowWriter(Protocol):
+    """How a handler's rows reach the creating transaction (``outbox.create`` picks one)."""
+
+    def connection(self) -> Connection: ...
+
+    def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ToolContext:
-    """What a handler gets: the creating transaction's connection, and who and when."""
+    """What a handler gets: where its rows go, and who and when."""
 
-    conn: Connection
+    writer: RowWriter
     tenant: str
     operation_id: str
     now: datetime
+
+    @property
+    def conn(self) -> Connection:
+        """The creating transaction's connection, for writes ``insert`` cannot express.
+
+        A handler that takes it runs in an ordinary transaction (several round
+        trips on PostgreSQL); one that only calls ``insert`` has its rows sent
+        with the receipt and the outbox rows in one statement.
+        """
+        return self.writer.connection()
 
     def insert(
         self, table: sa.Table, values: Mapping[str, Any], *, returning: str | None = None
     ) -> Any:
         """Insert one row in the creating transaction; return ``returning``'s value.
 
-        The fast path for a handler's business row: rendered once per table
-        and columns and sent straight to the driver. Values must be plain
-        (str, int, float, bool, None, an enum, a timezone-aware datetime);
-        anything else goes through ``conn``.
+        The fast path for a handler's business row. Values must be plain (str,
+        int, float, bool, None, an enum, a timezone-aware datetime); anything
+        else goes through ``conn``. ``returning`` may name the table's
+        auto-incremented primary key (on PostgreSQL it is drawn from the
+        table's sequence before the row is written, so the row can travel in
+        the create's one statement) or any other column (which costs the
+        one-statement path: the handler then runs in an ordinary transaction).
         """
-        return db.insert_row(self.conn, table, values, returning)
+        return self.writer.insert(table, values, returning)
 
 
 @dataclass(frozen=True, slots=True)

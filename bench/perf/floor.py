@@ -73,15 +73,19 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     backend = "sqlite" if sa.make_url(url).get_backend_name() == "sqlite" else "postgresql"
     task, record, effect = _create_rows(client, 0)
     find = db.driver_sql(create._FIND, backend)
-    insert_task = db.insert_sql(schema.tasks, tuple(task), "id", backend)
     effect_columns = tuple(k for k in effect if k not in ("tenant", "operation_id"))
     if backend == "postgresql":
-        conn: Any = psycopg.connect(backlog.conninfo(url))
-        record_and_effects = create._pg_insert_operation_and_effects(
-            tuple(record), effect_columns, 1
+        # Autocommit: the lookup, then one statement that commits alone.
+        conn: Any = psycopg.connect(backlog.conninfo(url), autocommit=True)
+        task_columns = ("id", *task)
+        one_statement = create._pg_create(
+            tuple(record), ((schema.tasks, task_columns),), effect_columns, 1
         )
+        next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
+        ids: list[int] = []
     else:
         conn = harness.sqlite_connect(url)
+        insert_task = db.insert_sql(schema.tasks, tuple(task), "id", backend)
         insert_record = create._insert_operation(backend, tuple(record))
         insert_effect = db.insert_sql(schema.outbox, tuple(effect), None, backend)
 
@@ -91,11 +95,15 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
         if backend == "postgresql":
             cur = conn.cursor()
             assert cur.execute(find, key).fetchone() is None
-            _receipt(record, cur.execute(insert_task, task).fetchone()[0])
+            if not ids:
+                table = {"table": "tasks", "column": "id"}
+                ids.extend(row[0] for row in reversed(cur.execute(next_ids, table).fetchall()))
+            task["id"] = ids.pop()
+            _receipt(record, task["id"])
             params = dict(record)
+            params.update({f"r0_{k}": task[k] for k in task_columns})
             params.update({f"e0_{k}": effect[k] for k in effect_columns})
-            assert cur.execute(record_and_effects, params).fetchall()
-            conn.commit()
+            assert cur.execute(one_statement, params).fetchone()
             return
         task, record, effect = (db.driver_values(backend, r) for r in (task, record, effect))
         conn.execute("BEGIN IMMEDIATE")
