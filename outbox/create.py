@@ -228,7 +228,13 @@ def _insert_operation(backend: str, columns: tuple[str, ...]) -> str:
     return db.driver_sql(statement, backend)
 
 
-@functools.cache
+# At most this many rows (the handler's and the outbox rows) go in one
+# statement: its text and parameters grow with each, and PostgreSQL takes at
+# most 65,535 parameters. A create with more takes the general path.
+_FOLD_LIMIT = 32
+
+
+@functools.lru_cache(maxsize=256)
 def _pg_create(
     operation_columns: tuple[str, ...],
     rows: tuple[tuple[sa.Table, tuple[str, ...]], ...],
@@ -368,6 +374,8 @@ class _Collected:
         raise _NeedsTransaction()
 
     def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any:
+        if len(self.rows) >= _FOLD_LIMIT:
+            raise _NeedsTransaction()
         row = dict(values)
         if returning is not None and returning not in row:
             if returning != _serial_column(table):
@@ -404,6 +412,8 @@ def _one_statement(engine: Engine, conn: db.Driver, request: _Request) -> Execut
     if found is None:
         writer = _Collected(engine, conn)
         output = _run_handler(writer, request)
+        if len(writer.rows) + len(output.effects) > _FOLD_LIMIT:
+            raise _NeedsTransaction()
         receipt_json, record, effects = _record_and_effects(request, output, "postgresql")
         # The writes are one statement that commits alone: the crash windows of
         # the general path's transaction all fall here, before it is sent.
@@ -435,7 +445,7 @@ def _create(conn: db.Driver, request: _Request, sa_conn: Connection | None) -> E
     backend = conn.dialect.name
     receipt_json, record, effects = _record_and_effects(request, output, backend)
     tenant, operation_id = request.tenant, request.operation_id
-    if backend == "postgresql":
+    if backend == "postgresql" and len(effects) <= _FOLD_LIMIT:
         # One statement for the record and the outbox rows: both crash windows fall after it.
         params = dict(record)
         for i, effect in enumerate(effects):

@@ -214,3 +214,30 @@ def test_ids_come_from_the_sequence_in_blocks_and_a_forked_child_draws_its_own(p
     third = pg_box.execute("acme", "op-3", TOOL, ARGS).receipt["task_id"]
     assert third == 3
     assert counts(pg_box) == {"tasks": 4, "operations": 4, "outbox": 4}
+
+
+MANY = 40  # more than one statement folds
+
+
+def many_rows(ctx: tools.ToolContext, args: Note) -> tools.ToolOutput:
+    runs.append("many_rows")
+    first = ctx.insert(schema.tasks, _task_row(ctx, args.subject), returning="id")
+    for i in range(1, MANY):
+        ctx.insert(schema.tasks, _task_row(ctx, f"{args.subject} {i}"))
+    effects = [tools.EffectSpec(f"notify_{i}", "helpdesk", {"n": i}) for i in range(MANY)]
+    return tools.ToolOutput({"operation_id": ctx.operation_id, "task_id": first}, effects, first)
+
+
+def test_a_create_with_many_rows_and_effects_takes_the_general_path(db_url: str, clock, backend):
+    registry = tools.default_registry()
+    registry.register(tools.Tool("many_rows", 1, Note, many_rows))
+    runs.clear()
+    with Outbox(db_url, clock=clock, registry=registry) as box:
+        box.create_tenant("acme")
+        first = box.execute("acme", "op-1", "many_rows", {"subject": "s"})
+        again = box.execute("acme", "op-1", "many_rows", {"subject": "s"})
+        assert first.created and again.replayed and again.receipt_json == first.receipt_json
+        assert counts(box) == {"tasks": MANY, "operations": 1, "outbox": MANY}
+        # PostgreSQL stopped collecting at the fold limit and ran it in a transaction.
+        assert runs == (["many_rows", "many_rows"] if backend == "postgres" else ["many_rows"])
+        assert box.engine.pool.checkedout() == 0
