@@ -17,8 +17,9 @@ One pass (``run_once``):
 ``run()`` loops over ``run_once``. APScheduler runs two jobs, one instance
 each, coalesced: the poll (wakes the loop every ``poll_interval``) and lease
 renewal (every ``lease_renew_interval``, at most a third of the lease, while
-anything is in flight). On PostgreSQL a ``LISTEN outbox_pending`` thread wakes
-the loop as soon as new rows commit. ``request_stop()`` (SIGTERM) stops
+anything is in flight). On PostgreSQL the loop also waits on its own
+``LISTEN outbox_pending`` connection (``wakeup``), so it wakes as soon as new
+rows commit, on the thread that claims. ``request_stop()`` (SIGTERM) stops
 claiming, withdraws requests not yet handed to an adapter, gives the ones in
 progress ``shutdown_grace`` to finish, then releases the rest through
 ``store.release`` (a possibly-sent row is never returned as unsent).
@@ -54,7 +55,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 import adapters
-from outbox import db, errors, faults, logs, metrics, policy, retry, schema, settings, store
+from outbox import db, errors, faults, logs, metrics, policy, retry, schema, settings, store, wakeup
 from outbox.states import AttemptOutcome, EffectStatus
 
 logger = logging.getLogger("outbox.dispatcher")
@@ -65,7 +66,6 @@ FLUSH_SIZE_DEFAULT = 100
 """Record results once this many have finished, even if others are still out."""
 FLUSH_AFTER_DEFAULT = timedelta(milliseconds=20)
 """... or once the oldest unrecorded result has waited this long."""
-LISTEN_TIMEOUT_SECONDS = 0.5  # how often the LISTEN thread looks at the stop flag
 
 _OUTCOMES: Mapping[adapters.Outcome, AttemptOutcome] = {
     adapters.Outcome.DELIVERED: AttemptOutcome.DELIVERED,
@@ -168,7 +168,7 @@ class Dispatcher:
         )
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
-        self._wake = threading.Event()
+        self._wake = wakeup.Waker()
         # Set while a LISTEN connection is up: every commit of a row then wakes us.
         self._listening = threading.Event()
         self._more_due = False  # the last pass's select was full: more may be due now
@@ -667,8 +667,15 @@ class Dispatcher:
         scheduler.start()
         listener = None
         if not once and self.engine.dialect.name == "postgresql":
-            listener = threading.Thread(target=self._listen, name="outbox-listen", daemon=True)
-            listener.start()
+            url = self.engine.url.set(drivername="postgresql")
+            listener = wakeup.Listener(
+                url.render_as_string(hide_password=False),
+                schema.NOTIFY_CHANNEL,
+                woken=self._wake,
+                listening=self._listening,
+                worker=self.worker_id,
+            )
+        self._wake.open()
         handled = 0
         failures = 0
         if ready is not None:
@@ -676,6 +683,8 @@ class Dispatcher:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
+                if listener is not None:
+                    listener.drain()  # this pass covers the rows they announced
                 try:
                     count = self.run_once()
                     failures = 0
@@ -689,47 +698,29 @@ class Dispatcher:
                 handled += count
                 # Go again at once when more may be due: the last select was full,
                 # or nothing else would tell us of a row committed during the pass.
-                # While LISTEN is up such a row has set the wake-up already, so a
-                # short pass waits for it instead of running an empty select.
+                # While LISTEN is up such a row's NOTIFY is waiting on the socket,
+                # so a short pass waits for it instead of running an empty select.
                 if count and (self._more_due or not self._listening.is_set()):
                     continue
                 if once:
                     break
-                self._wake.wait(s.poll_interval.total_seconds())
+                # A wake-up, a NOTIFY on the LISTEN connection, or the poll interval
+                # (while LISTEN is down, its next attempt if that comes first).
+                timeout = s.poll_interval.total_seconds()
+                also = None
+                if listener is not None:
+                    also = listener.fileno()
+                    retry_in = listener.retry_in()
+                    if retry_in is not None:
+                        timeout = min(timeout, retry_in)
+                self._wake.wait(timeout, also)
         finally:
             scheduler.shutdown(wait=False)
             self._stop.set()
             if listener is not None:
-                listener.join(LISTEN_TIMEOUT_SECONDS * 4)
+                listener.close()
+            self._wake.close()
         return handled
-
-    def _listen(self) -> None:
-        """PostgreSQL: wake the loop when the insert trigger NOTIFYs ``outbox_pending``."""
-        import psycopg
-
-        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        delay = 0.1
-        while not self._stop.is_set():
-            try:
-                with psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
-                    self._listening.set()
-                    try:
-                        self._wake.set()  # rows may have committed before LISTEN took effect
-                        delay = 0.1
-                        while not self._stop.is_set():
-                            for _ in conn.notifies(timeout=LISTEN_TIMEOUT_SECONDS):
-                                self._wake.set()
-                    finally:
-                        self._listening.clear()
-            except psycopg.Error:
-                logger.warning(
-                    "LISTEN connection lost; polling until it is back",
-                    exc_info=True,
-                    extra={"worker": self.worker_id},
-                )
-                self._stop.wait(delay)
-                delay = min(delay * 2, 5.0)
 
     def close(self) -> None:
         """Stop the delivery threads. Deliveries still running are not waited for."""

@@ -97,3 +97,49 @@ def _wait_for_count(delivered: list[str], count: int, timeout: float = 15.0) -> 
     while len(delivered) < count:
         assert time.monotonic() < deadline, "the dispatcher did not deliver in time"
         time.sleep(0.05)
+
+
+def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispatcher) -> None:
+    """The LISTEN connection dies with the others: the loop notices (no busy
+    loop on the dead socket), connects again, and a NOTIFY wakes it with the
+    poll a minute away."""
+    delivered: list[str] = []
+    passes: list[int] = []
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.append(request.effect_key)
+        return DeliveryResult.delivered(f"ref-{request.effect_id}", status_code=201)
+
+    dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=60)
+    real_run_once = dispatcher.run_once
+
+    def counting(now=None):  # type: ignore[no-untyped-def]
+        passes.append(1)
+        return real_run_once(now)
+
+    dispatcher.run_once = counting  # type: ignore[method-assign]
+    other = db.create_engine(
+        settings.load(), url=engine.url.render_as_string(hide_password=False), poolclass=NullPool
+    )
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert dispatcher._listening.wait(10)
+        assert terminate_backends(engine) >= 1
+        deadline = time.monotonic() + 10
+        while dispatcher._listening.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop finds the socket closed and drops it
+        assert not dispatcher._listening.is_set(), "the lost LISTEN connection went unnoticed"
+        # The loop connects again by itself: its next attempt, not the poll, ends its wait.
+        assert dispatcher._listening.wait(10), "the LISTEN connection did not come back"
+        time.sleep(0.3)
+        before = len(passes)
+        ids = seed(other, 2, now=schema.utcnow())
+        _wait_for_count(delivered, 2, timeout=10)
+        assert len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
+    finally:
+        dispatcher.request_stop()
+        thread.join(10)
+        other.dispose()
+    assert not thread.is_alive()
+    _all_delivered(engine, ids)

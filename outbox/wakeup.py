@@ -1,0 +1,173 @@
+"""How the dispatcher's loop waits: for a wake-up, or for a NOTIFY, on its own thread.
+
+``Waker`` is ``threading.Event``'s set / clear / is_set, with a ``wait`` that
+also returns when a file descriptor is readable. ``Listener`` is the loop's
+LISTEN connection (PostgreSQL), connected again with backoff when it is lost.
+The loop waits on both at once, so a NOTIFY wakes the thread that claims,
+with no hand-off from a listening thread: at 200 creates/s that hand-off was
+70 to 80 us of a delivery's 0.8 ms median latency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger("outbox.dispatcher")
+
+CONNECT_TIMEOUT_SECONDS = 2  # the loop's own thread connects: never for long
+RETRY_FIRST_SECONDS = 0.1
+RETRY_MAX_SECONDS = 5.0
+
+
+class Waker:
+    """A wake-up flag that a ``select`` can wait on (a self-pipe).
+
+    ``set`` may come from any thread, before, during or after ``wait``; the
+    pipe exists only while the loop runs (``open``/``close``), so a waker
+    that is never waited on holds no file descriptor.
+    """
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+
+    def open(self) -> None:
+        with self._lock:
+            if self._pipe is None:
+                read, write = os.pipe()
+                os.set_blocking(read, False)
+                os.set_blocking(write, False)
+                self._pipe = (read, write)
+                if self._flag:
+                    os.write(write, b"\0")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pipe is not None:
+                for fd in self._pipe:
+                    os.close(fd)
+                self._pipe = None
+
+    def set(self) -> None:
+        self._flag = True
+        with self._lock:  # never write to a pipe being closed (its number may be reused)
+            if self._pipe is not None:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
+                    os.write(self._pipe[1], b"\0")
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def clear(self) -> None:
+        """Forget the wake-ups so far (a spurious one may remain: a pass too many, never one too few)."""
+        self._flag = False
+        pipe = self._pipe
+        if pipe is not None:
+            try:
+                while os.read(pipe[0], 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+
+    def wait(self, timeout: float, also: int | None = None) -> bool:
+        """Until set, ``also`` is readable, or ``timeout`` seconds: False if it timed out."""
+        if self._flag:
+            return True
+        self.open()
+        assert self._pipe is not None
+        fds = [self._pipe[0]] if also is None else [self._pipe[0], also]
+        readable, _, _ = select.select(fds, [], [], timeout)
+        return self._flag or bool(readable)
+
+
+class Listener:
+    """PostgreSQL: the loop's LISTEN connection. Used from the loop's thread only.
+
+    ``fileno()`` connects when the connection is down and a retry is due
+    (backoff from 0.1 s to 5 s), and gives the socket to wait on, or None while
+    down: the loop then polls, waking for the next attempt at the latest
+    (``retry_in``). A new connection sets ``woken``: rows may have
+    committed before LISTEN took effect. ``drain()`` reads the NOTIFYs that
+    have arrived, without waiting; a lost connection is dropped there.
+    """
+
+    def __init__(
+        self, url: str, channel: str, *, woken: Waker, listening: threading.Event, worker: str
+    ) -> None:
+        self._url = url
+        self._channel = channel
+        self._woken = woken
+        self._listening = listening
+        self._worker = worker
+        self._conn: Any = None
+        self._retry_at = 0.0
+        self._delay = RETRY_FIRST_SECONDS
+
+    def fileno(self) -> int | None:
+        if self._conn is None and time.monotonic() >= self._retry_at:
+            self._connect()
+        return None if self._conn is None else int(self._conn.fileno())
+
+    def retry_in(self) -> float | None:
+        """While down: seconds until the next connection attempt (the loop waits no longer)."""
+        if self._conn is not None:
+            return None
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def drain(self) -> None:
+        if self._conn is None:
+            return
+        import psycopg
+
+        try:
+            for _ in self._conn.notifies(timeout=0):
+                pass
+        except psycopg.Error as error:
+            self._lost(error)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._listening.clear()
+
+    def _connect(self) -> None:
+        import psycopg
+
+        try:
+            conn = psycopg.connect(
+                self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS
+            )
+            try:
+                conn.execute(f"LISTEN {self._channel}")
+            except BaseException:
+                conn.close()
+                raise
+        except psycopg.Error as error:
+            self._lost(error)
+            return
+        self._conn = conn
+        self._delay = RETRY_FIRST_SECONDS
+        self._listening.set()
+        self._woken.set()  # rows may have committed before LISTEN took effect
+
+    def _lost(self, error: BaseException) -> None:
+        logger.warning(
+            "LISTEN connection lost; polling until it is back",
+            exc_info=error,
+            extra={"worker": self._worker},
+        )
+        if self._conn is not None:
+            with contextlib.suppress(Exception):  # it is gone either way
+                self._conn.close()
+            self._conn = None
+        self._listening.clear()
+        self._retry_at = time.monotonic() + self._delay
+        self._delay = min(self._delay * 2, RETRY_MAX_SECONDS)
