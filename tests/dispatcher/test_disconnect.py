@@ -8,8 +8,11 @@ again on a new one; the loop keeps going either way.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -17,6 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from adapters import DeliveryRequest, DeliveryResult
 from outbox import db, faults, schema, settings
+from outbox.dispatcher import Dispatcher
 from outbox.states import AttemptOutcome, EffectStatus
 from tests.dispatcher.support import attempts, seed, statuses, terminate_backends
 from tests.dispatcher.test_dispatcher import fake
@@ -60,15 +64,23 @@ def test_results_are_recorded_when_the_connection_dies_after_the_claim(
     assert dispatcher.late_results == 0
 
 
-def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> None:
+def _delivering() -> tuple[list[str], Any]:
+    """A step that notes each delivered key, and the list it notes them in."""
     delivered: list[str] = []
 
     def step(request: DeliveryRequest) -> DeliveryResult:
         delivered.append(request.effect_key)
         return DeliveryResult.delivered(f"ref-{request.effect_id}", status_code=201)
 
-    dispatcher = make_dispatcher(fake(*[step] * 20), poll_interval=0.2)
-    # Rows come in through another engine: a ping in this one would heal its pool.
+    return delivered, step
+
+
+@contextlib.contextmanager
+def _looping(
+    engine: sa.Engine, dispatcher: Dispatcher
+) -> Iterator[tuple[sa.Engine, threading.Thread]]:
+    """``dispatcher.run()`` on a thread, and another engine to add rows through
+    (a ping in the dispatcher's own would heal its pool); stopped and checked after."""
     other = db.create_engine(
         settings.load(), url=engine.url.render_as_string(hide_password=False), poolclass=NullPool
     )
@@ -77,6 +89,18 @@ def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> No
     thread.start()
     try:
         assert ready.wait(10)
+        yield other, thread
+    finally:
+        dispatcher.request_stop()
+        thread.join(10)
+        other.dispose()
+    assert not thread.is_alive()
+
+
+def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> None:
+    delivered, step = _delivering()
+    dispatcher = make_dispatcher(fake(*[step] * 20), poll_interval=0.2)
+    with _looping(engine, dispatcher) as (other, thread):
         ids = seed(other, 2, now=schema.utcnow(), prefix="a")
         _wait_for_count(delivered, 2)
         for round_ in range(3):
@@ -84,11 +108,6 @@ def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> No
             ids += seed(other, 2, now=schema.utcnow(), prefix=f"r{round_}")
             _wait_for_count(delivered, len(ids))
         assert thread.is_alive()
-    finally:
-        dispatcher.request_stop()
-        thread.join(10)
-        other.dispose()
-    assert not thread.is_alive()
     _all_delivered(engine, ids)
 
 
@@ -103,13 +122,8 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
     """The LISTEN connection dies with the others: the loop notices (no busy
     loop on the dead socket), connects again, and a NOTIFY wakes it with the
     poll a minute away."""
-    delivered: list[str] = []
+    delivered, step = _delivering()
     passes: list[int] = []
-
-    def step(request: DeliveryRequest) -> DeliveryResult:
-        delivered.append(request.effect_key)
-        return DeliveryResult.delivered(f"ref-{request.effect_id}", status_code=201)
-
     dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=60)
     real_run_once = dispatcher.run_once
 
@@ -118,12 +132,7 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
         return real_run_once(now)
 
     dispatcher.run_once = counting  # type: ignore[method-assign]
-    other = db.create_engine(
-        settings.load(), url=engine.url.render_as_string(hide_password=False), poolclass=NullPool
-    )
-    thread = threading.Thread(target=dispatcher.run)
-    thread.start()
-    try:
+    with _looping(engine, dispatcher) as (other, _thread):
         assert dispatcher._listening.wait(10)
         assert terminate_backends(engine) >= 1
         deadline = time.monotonic() + 10
@@ -137,9 +146,4 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
         ids = seed(other, 2, now=schema.utcnow())
         _wait_for_count(delivered, 2, timeout=10)
         assert len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
-    finally:
-        dispatcher.request_stop()
-        thread.join(10)
-        other.dispose()
-    assert not thread.is_alive()
     _all_delivered(engine, ids)
