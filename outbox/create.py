@@ -297,6 +297,26 @@ def _pg_create(
     return db.driver_sql(statement, "postgresql")
 
 
+def _pg_statement(
+    record: dict[str, Any],
+    rows: list[tuple[sa.Table, dict[str, Any]]],
+    effects: list[dict[str, Any]],
+) -> tuple[str, dict[str, Any]]:
+    """``_pg_create``'s SQL for these values, and its parameters named as it names them."""
+    params = dict(record)
+    for i, (_, row) in enumerate(rows):
+        params.update({f"r{i}_{name}": value for name, value in row.items()})
+    for i, effect in enumerate(effects):
+        params.update({f"e{i}_{name}": value for name, value in effect.items()})
+    sql = _pg_create(
+        tuple(record),
+        tuple((table, tuple(row)) for table, row in rows),
+        tuple(effects[0]) if effects else (),
+        len(effects),
+    )
+    return sql, params
+
+
 _NEXT_IDS = (
     "SELECT nextval(pg_get_serial_sequence(%(table)s, %(column)s)) FROM generate_series(1, {})"
 )
@@ -419,17 +439,7 @@ def _one_statement(engine: Engine, conn: db.Driver, request: _Request) -> Execut
         # the general path's transaction all fall here, before it is sent.
         faults.point("create.after_operation_insert")
         faults.point("create.after_outbox_insert")
-        params = dict(record)
-        for i, (_, row) in enumerate(writer.rows):
-            params.update({f"r{i}_{name}": value for name, value in row.items()})
-        for i, effect in enumerate(effects):
-            params.update({f"e{i}_{name}": value for name, value in effect.items()})
-        sql = _pg_create(
-            tuple(record),
-            tuple((table, tuple(row)) for table, row in writer.rows),
-            tuple(effects[0]) if effects else (),
-            len(effects),
-        )
+        sql, params = _pg_statement(record, writer.rows, effects)
         if db.driver_execute(conn, sql, params).fetchone() is not None:
             return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
         # A concurrent create of the key committed first (or it has just expired).
@@ -447,10 +457,7 @@ def _create(conn: db.Driver, request: _Request, sa_conn: Connection | None) -> E
     tenant, operation_id = request.tenant, request.operation_id
     if backend == "postgresql" and len(effects) <= _FOLD_LIMIT:
         # One statement for the record and the outbox rows: both crash windows fall after it.
-        params = dict(record)
-        for i, effect in enumerate(effects):
-            params.update({f"e{i}_{name}": value for name, value in effect.items()})
-        sql = _pg_create(tuple(record), (), tuple(effects[0]) if effects else (), len(effects))
+        sql, params = _pg_statement(record, [], effects)
         if db.driver_execute(conn, sql, params).fetchone() is None:  # the key was taken
             raise _LostRace()
         faults.point("create.after_operation_insert")

@@ -211,8 +211,8 @@ class Direct:
     For the hottest paths, whose statements all go through ``driver_execute``:
     a ``Connection``'s set-up, execution options and reset on return cost more
     than a create's own Python (measured: about 60 microseconds a call against
-    a few for the pooled connection alone). ``direct_autocommit`` and
-    ``direct_write`` hand one out and take it back.
+    a few for the pooled connection alone). ``autocommit`` and ``direct_write``
+    hand one out and take it back.
     """
 
     __slots__ = ("connection", "dialect")

@@ -77,10 +77,6 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     if backend == "postgresql":
         # Autocommit: the lookup, then one statement that commits alone.
         conn: Any = psycopg.connect(backlog.conninfo(url), autocommit=True)
-        task_columns = ("id", *task)
-        one_statement = create._pg_create(
-            tuple(record), ((schema.tasks, task_columns),), effect_columns, 1
-        )
         next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
         ids: list[int] = []
     else:
@@ -100,10 +96,10 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
                 ids.extend(row[0] for row in reversed(cur.execute(next_ids, table).fetchall()))
             task["id"] = ids.pop()
             _receipt(record, task["id"])
-            params = dict(record)
-            params.update({f"r0_{k}": task[k] for k in task_columns})
-            params.update({f"e0_{k}": effect[k] for k in effect_columns})
-            assert cur.execute(one_statement, params).fetchone()
+            sql, params = create._pg_statement(
+                record, [(schema.tasks, task)], [{k: effect[k] for k in effect_columns}]
+            )
+            assert cur.execute(sql, params).fetchone()
             return
         task, record, effect = (db.driver_values(backend, r) for r in (task, record, effect))
         conn.execute("BEGIN IMMEDIATE")
