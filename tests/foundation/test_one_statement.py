@@ -241,3 +241,31 @@ def test_a_create_with_many_rows_and_effects_takes_the_general_path(db_url: str,
         # PostgreSQL stopped collecting at the fold limit and ran it in a transaction.
         assert runs == (["many_rows", "many_rows"] if backend == "postgres" else ["many_rows"])
         assert box.engine.pool.checkedout() == 0
+
+
+@pytest.mark.postgres
+def test_a_statement_that_committed_before_its_connection_died_replays(pg_box: Outbox, monkeypatch):
+    """The one statement commits alone; its reply is lost with the connection.
+    The create runs once more on a new connection, finds its own record, and
+    answers it: one task, one record, one outbox row, the stored receipt."""
+    from sqlalchemy import exc
+
+    real = db.driver_execute
+    lost: list[str] = []
+
+    def reply_lost(conn, sql, params, *, many=False):  # type: ignore[no-untyped-def]
+        cursor = real(conn, sql, params, many=many)
+        if sql.startswith("WITH record") and not lost:
+            lost.append(sql)
+            error = ConnectionResetError("server closed the connection unexpectedly")
+            conn.invalidate(error)
+            raise exc.OperationalError(sql, params, error, connection_invalidated=True)
+        return cursor
+
+    monkeypatch.setattr(db, "driver_execute", reply_lost)
+    result = pg_box.execute("acme", "op-1", TOOL, ARGS)
+    assert lost, "the one statement was not reached"
+    assert result.replayed and result.status_code == 201
+    assert result.receipt_json == pg_box.execute("acme", "op-1", TOOL, ARGS).receipt_json
+    assert pg_box.get_operation("acme", "op-1")["receipt"] == result.receipt
+    assert counts(pg_box) == {"tasks": 1, "operations": 1, "outbox": 1}
