@@ -9,10 +9,11 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo test lint fmt browser run chaos chaos-quick bench bench-quick clean
+.PHONY: help venv demo example test lint fmt browser run chaos chaos-quick bench bench-quick clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
+	@echo "make example     an app of its own (examples/refunds) run by the stock processes"
 	@echo "make test        lint, types, import layers and every test (PostgreSQL when it answers)"
 	@echo "make run         API, dispatcher, reconciler and a fake provider on this machine"
 	@echo "make chaos       crash/fault run with invariant checks (bounded)"
@@ -28,6 +29,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+example: $(STAMP)
+	$(PY) examples/refunds/run.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

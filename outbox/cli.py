@@ -6,6 +6,11 @@ Exit codes of commands that write on a caller's behalf (``tasks create``):
 
 Commands owned by packages above ``outbox`` (the reconciler, the review queue)
 plug in through the ``outbox.commands`` entry point group.
+
+Every command serves one app (``outbox.app``): ``--app package.module:attribute``
+or ``OUTBOX_APP``, else the bundled demo. It is loaded and checked before the
+command runs, so a broken app is one line on stderr and exit 2, with nothing
+written. ``--app`` and ``--database-url`` go before or after the command.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
+from outbox import app as apps
 from outbox import errors, settings
 
 EXIT_OK = 0
@@ -55,7 +61,7 @@ def error_document(error: errors.OutboxError) -> dict[str, Any]:
 def _box(args: argparse.Namespace) -> Any:
     from outbox.service import Outbox
 
-    return Outbox(args.database_url)
+    return Outbox(args.database_url, app=apps.from_args(args))
 
 
 def print_json(value: Any) -> None:
@@ -69,9 +75,12 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from outbox import db
 
     config = settings.load()
+    app = apps.from_args(args)
     engine = db.create_engine(config, url=args.database_url)
     try:
         before, after = db.upgrade(engine)
+        # The app's tables after Outbox's: its migrations may refer to ours.
+        app_before, app_after = app.upgrade(engine)
     finally:
         engine.dispose()
     label = db.normalise_url(args.database_url or config.database_url).render_as_string(
@@ -81,19 +90,29 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
         print(f"{label}: already at {after}; nothing to do")
     else:
         print(f"{label}: upgraded {before or 'empty'} -> {after}")
+    if app.migrations is not None:
+        if app_before == app_after:
+            print(f"app {app.name}: already at {app_after}; nothing to do")
+        else:
+            print(f"app {app.name}: upgraded {app_before or 'empty'} -> {app_after}")
     return EXIT_OK
 
 
 def cmd_db_current(args: argparse.Namespace) -> int:
     from outbox import db
 
+    app = apps.from_args(args)
     engine = db.create_engine(settings.load(), url=args.database_url)
     try:
         current, head = db.current_revision(engine), db.head_revision()
+        app_head = app.head_revision()
+        app_current = app.current_revision(engine) if app_head is not None else None
     finally:
         engine.dispose()
     print(f"current: {current or 'not migrated'}; code: {head}")
-    return EXIT_OK if current == head else EXIT_INVALID
+    if app_head is not None:
+        print(f"app {app.name}: current: {app_current or 'not migrated'}; code: {app_head}")
+    return EXIT_OK if current == head and app_current == app_head else EXIT_INVALID
 
 
 # --- tenants, tokens ----------------------------------------------------------
@@ -180,11 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="outbox",
         description="Writes to the outside world that are safe to retry.",
     )
-    parser.add_argument(
-        "--database-url",
-        default=None,
-        help="overrides OUTBOX_DATABASE_URL (default sqlite:///var/outbox.db)",
-    )
+    _common_options(parser, default=None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p_db = sub.add_parser("db", help="schema migrations")
@@ -238,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="apply retention once (the reconciler does it on schedule)")
     p.set_defaults(handler=cmd_prune)
 
+    from outbox import app_cli
+
+    app_cli.register(sub)
+
     for name, (module, function, register_name) in PROCESS_COMMANDS.items():
         p = sub.add_parser(name, help=PROCESS_HELP[name])
         _register_process(module, register_name, p)
@@ -246,7 +265,42 @@ def build_parser() -> argparse.ArgumentParser:
     for entry in metadata.entry_points(group="outbox.commands"):
         register: Callable[[Any], None] = entry.load()
         register(sub)
+    _add_common_options_below(parser, set())
     return parser
+
+
+def _common_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument(
+        "--database-url",
+        default=default,
+        help="overrides OUTBOX_DATABASE_URL (default sqlite:///var/outbox.db)",
+    )
+    parser.add_argument(
+        "--app",
+        default=default,
+        metavar="MODULE:ATTR",
+        help="the app to serve: package.module:attribute "
+        "(default OUTBOX_APP, else the bundled demo)",
+    )
+
+
+def _add_common_options_below(parser: argparse.ArgumentParser, seen: set[int]) -> None:
+    """``--app`` and ``--database-url`` after any command too (``outbox db upgrade --app X``).
+
+    Below the top level they default to SUPPRESS: an option not given after the
+    command leaves the one given before it (or the top level's default) alone.
+    """
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for child in action.choices.values():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            taken = {opt for a in child._actions for opt in a.option_strings}
+            if "--app" not in taken and "--database-url" not in taken:
+                _common_options(child, default=argparse.SUPPRESS)
+            _add_common_options_below(child, seen)
 
 
 # name: (module, run function, options function); the module is imported lazily
@@ -280,7 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
+        # Loaded and checked before anything runs: a broken app writes nothing.
+        apps.from_args(args)
         return handler(args)
+    except apps.AppError as error:
+        print(f"outbox: {error.detail}", file=sys.stderr)
+        return exit_code(error)
     except errors.OutboxError as error:
         print(json.dumps(error_document(error), sort_keys=True), file=sys.stderr)
         return exit_code(error)

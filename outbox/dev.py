@@ -3,7 +3,10 @@
 It migrates the embedded SQLite file, creates a tenant ``dev`` with one agent
 and one operator token (printed once), then starts four child processes:
 the API (with the console), a dispatcher, the reconciler and a fake provider
-in honour mode. Each child's lines are prefixed with its name. SIGINT or
+in honour mode. With an app (``--app`` or ``OUTBOX_APP``), its migrations run
+too and the children serve it (``OUTBOX_APP`` in their environment), with the
+app's adapters; without one, the demo's helpdesk adapter points at the fake
+provider. Each child's lines are prefixed with its name. SIGINT or
 SIGTERM stops them all: each gets SIGTERM and ``--grace`` seconds to finish,
 then SIGKILL; ``outbox dev`` exits only when none is left.
 
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from outbox import app as apps
 from outbox import db, settings
 from outbox.service import Outbox
 
@@ -63,13 +67,15 @@ def _pump(name: str, stream: IO[str], lock: threading.Lock) -> None:
 
 def cli_run(args: argparse.Namespace) -> int:
     config = settings.load()
+    app = apps.from_args(args)
     url = args.database_url or config.database_url
     engine = db.create_engine(config, url=url)
     try:
         db.upgrade(engine)
+        app.upgrade(engine)
     finally:
         engine.dispose()
-    with Outbox(url, config=config) as box:
+    with Outbox(url, config=config, app=app) as box:
         box.create_tenant("dev")
         agent = box.create_token("dev", "agent", "outbox dev")
         operator = box.create_token("dev", "operator", "outbox dev")
@@ -87,7 +93,12 @@ def cli_run(args: argparse.Namespace) -> int:
     )
     env = dict(os.environ)
     env["OUTBOX_DATABASE_URL"] = url
-    env["OUTBOX_ADAPTERS"] = str(adapters_file)
+    app_spec = getattr(args, "app", None) or os.environ.get(apps.APP_ENV)
+    if app_spec:
+        # The children serve the same app, with its own adapters (or OUTBOX_ADAPTERS).
+        env[apps.APP_ENV] = app_spec
+    else:
+        env["OUTBOX_ADAPTERS"] = str(adapters_file)
     env["PYTHONUNBUFFERED"] = "1"
     if args.log_format:
         env["OUTBOX_LOG_FORMAT"] = args.log_format

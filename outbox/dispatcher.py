@@ -55,7 +55,8 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 import adapters
-from outbox import db, errors, faults, logs, metrics, policy, retry, schema, settings, store, wakeup
+from outbox import app as apps
+from outbox import db, faults, logs, metrics, policy, retry, schema, settings, store, wakeup
 from outbox.states import AttemptOutcome, EffectStatus
 
 logger = logging.getLogger("outbox.dispatcher")
@@ -792,10 +793,10 @@ def cli_run(args: argparse.Namespace) -> int:
     dispatcher: Dispatcher | None = None
     try:
         db.check_schema(engine)
-        try:
-            registry = adapters.load_registry(config.adapters)
-        except adapters.AdapterError as exc:
-            raise errors.ConfigError(str(exc)) from exc
+        app = apps.from_args(args)
+        app.check_schema(engine)
+        # The app's adapters (OUTBOX_ADAPTERS, when set, replaces the app's file).
+        registry = app.build_adapters(config.adapters)
         dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
         for name in registry.names():
             # A series from the start: "absent" and "closed" look different on a dashboard.

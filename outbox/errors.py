@@ -81,6 +81,7 @@ class UnknownTool(RequestError):
 
     def __init__(self, tool: str, known: list[str]) -> None:
         self.tool = tool
+        self.known = sorted(known)
         super().__init__(f"no tool named {tool!r}; known tools: {', '.join(sorted(known))}")
 
 

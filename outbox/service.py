@@ -2,10 +2,12 @@
 
     from outbox import Outbox
     box = Outbox("sqlite:///var/outbox.db")      # or Outbox() to read OUTBOX_* settings
+    box = Outbox(url, app=load_app("my_app.app:app"))   # a deployment's own tools (outbox.app)
     result = box.execute("acme", "op-123", "create_support_task", {"subject": "Late parcel"})
     result.created, result.status_code, result.receipt
 
-It refuses to run on a schema that is not current (``outbox db upgrade``).
+It refuses to run on a schema that is not current (``outbox db upgrade``),
+Outbox's own or the app's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 
+from outbox import app as apps
 from outbox import create, db, errors, metrics, retention, schema, settings, states, tools
 from outbox.create import ExecuteResult
 
@@ -59,13 +62,20 @@ class Outbox:
         registry: tools.Registry | None = None,
         clock: Clock | None = None,
         check_schema: bool = True,
+        app: apps.App | None = None,
     ) -> None:
         self.settings = config or settings.load()
+        # The app's tools are what this object serves; ``registry`` alone (tests,
+        # embedding) stands for an app with those tools and the default adapters.
+        if app is None:
+            app = apps.default_app() if registry is None else apps.App("custom", tools=registry)
+        self.app = app
+        self.tools = registry or app.tools
         self.engine = engine or db.create_engine(self.settings, url=database_url)
-        self.tools = registry or tools.default_registry()
         self.clock: Clock = clock or schema.utcnow
         if check_schema:
             db.check_schema(self.engine)
+            app.check_schema(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -94,6 +94,9 @@ class Tool:
     arguments: type[BaseModel]
     handler: Handler
     description: str = ""
+    # The adapters this tool's effects may name; checked against the app's adapters at
+    # start-up, so a typo fails there instead of at the first delivery.
+    adapters: tuple[str, ...] = ()
 
     def validate(self, arguments: Any) -> BaseModel:
         """Validate and normalise; raise ``InvalidArguments`` naming every bad field."""
@@ -147,7 +150,20 @@ class Registry:
 class SupportTaskArgs(BaseModel):
     """Arguments of ``create_support_task`` v1. Unknown fields are refused, types are strict."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "subject": "Parcel 7731 has not arrived",
+                    "body": "Ordered on the 2nd, tracking has not moved since.",
+                    "priority": "high",
+                }
+            ]
+        },
+    )
 
     subject: str = Field(min_length=1, max_length=200)
     body: str = Field(default="", max_length=10_000)
@@ -211,6 +227,7 @@ SUPPORT_TASK = Tool(
     arguments=SupportTaskArgs,
     handler=create_support_task,
     description="Create a local support task and open a ticket at the helpdesk.",
+    adapters=(HELPDESK_ADAPTER,),
 )
 
 

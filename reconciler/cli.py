@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 import adapters
+from outbox import app as apps
 from outbox import errors, logs, metrics, settings
 from outbox.service import Outbox
 from reconciler import review, scheduler, sweeps
@@ -96,14 +97,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _box(args: argparse.Namespace) -> Outbox:
-    return Outbox(getattr(args, "database_url", None))
+    return Outbox(getattr(args, "database_url", None), app=apps.from_args(args))
 
 
-def _registry(config: settings.Settings) -> adapters.Registry:
-    try:
-        return adapters.load_registry(config.adapters)
-    except adapters.ConfigError as exc:
-        raise errors.ConfigError(f"adapters: {exc}") from exc
+def _registry(app: apps.App, config: settings.Settings) -> adapters.Registry:
+    # The app's adapters (OUTBOX_ADAPTERS, when set, replaces the app's file).
+    return app.build_adapters(config.adapters)
 
 
 # --- reconciler -------------------------------------------------------------------
@@ -116,8 +115,9 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     if args.log_format is not None:
         overrides["log_format"] = args.log_format
     config = settings.load(**overrides)
-    box = Outbox(args.database_url, config=config)
-    registry = _registry(config)
+    app = apps.from_args(args)
+    box = Outbox(args.database_url, config=config, app=app)
+    registry = _registry(app, config)
     try:
         worker = args.worker_id or scheduler.default_worker_id()
         all_sweeps = sweeps.build(box.engine, registry, config, worker=worker, clock=box.clock)

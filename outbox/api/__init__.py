@@ -16,6 +16,7 @@ import importlib.metadata
 import signal
 from collections.abc import Iterable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
@@ -50,7 +51,12 @@ def create_app(
     app.state.metrics_registry = metrics.backlog_registry(box.engine)
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
+    # Each tool of the app is its own operation, generated here from its registry.
+    tool_router, components = routes.tool_routers(box.tools)
+    app.include_router(tool_router)
     app.include_router(routes.router)
+    if components:
+        _add_components(app, components)
     for router in routers:
         app.include_router(router)
     if load_entry_points:
@@ -58,6 +64,22 @@ def create_app(
             for router in entry.load()():
                 app.include_router(router)
     return app
+
+
+def _add_components(app: FastAPI, components: dict[str, Any]) -> None:
+    """Put the tools' nested argument models where their ``$ref`` points."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in components.items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # --- outbox serve ------------------------------------------------------------------
@@ -86,7 +108,9 @@ def cli_serve(args: argparse.Namespace) -> int:
     logs.configure(config.log_format, config.log_level)
     host = args.host or config.api_host
     port = config.api_port if args.port is None else args.port
-    box = Outbox(getattr(args, "database_url", None), config=config)
+    from outbox import app as apps
+
+    box = Outbox(getattr(args, "database_url", None), config=config, app=apps.from_args(args))
     try:
         server = Server(
             uvicorn.Config(

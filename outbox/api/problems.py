@@ -48,6 +48,11 @@ SCHEMA: dict[str, Any] = {
         "status": {"type": "integer"},
         "detail": {"type": "string"},
         "retry": {"type": "string", "enum": ["same_key", "never", "after_fix", "reconcile"]},
+        "known_tools": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "With unknown-tool: the tools this service has.",
+        },
         "errors": {
             "type": "array",
             "items": {
@@ -153,6 +158,8 @@ def document(error: errors.OutboxError) -> dict[str, Any]:
     }
     if isinstance(error, errors.InvalidArguments):
         doc["errors"] = error.errors
+    if isinstance(error, errors.UnknownTool):
+        doc["known_tools"] = error.known
     return doc
 
 

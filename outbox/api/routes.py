@@ -22,6 +22,7 @@ from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from outbox import app as apps
 from outbox import create, db, errors, metrics, tools
 from outbox.api import auth, problems
 from outbox.create import ExecuteResult
@@ -74,12 +75,60 @@ def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
 @router.post(
     "/v1/tools/{tool}",
     status_code=201,
-    summary="Call a tool, idempotently on Idempotency-Key",
+    summary="Call a tool by name, idempotently on Idempotency-Key",
+    description="Any tool of the app. Each one is also described by its own operation, "
+    "`POST /v1/tools/<name>`, with its arguments' schema and an example.",
     responses=_WRITE_RESPONSES,
     openapi_extra=_write_openapi({"type": "object", "description": "The tool's arguments."}),
 )
 async def call_tool(tool: str, request: Request, principal: Caller, box: Box) -> Response:
     return await _execute(request, principal, box, tool)
+
+
+# The per-tool operations refer to nested argument models here; ``create_app``
+# adds them to the document's components.
+COMPONENT_REF = "#/components/schemas/{model}"
+
+
+def tool_routers(registry: tools.Registry) -> tuple[APIRouter, dict[str, Any]]:
+    """One operation ``POST /v1/tools/<name>`` per tool, and the schemas they refer to.
+
+    Documentation of the same path as ``call_tool``: it answers exactly as the
+    generic route would, with the tool's schema and example in the document.
+    """
+    tool_router = APIRouter()
+    components: dict[str, Any] = {}
+    for name in registry.names():
+        tool = registry.get(name)
+        arguments = apps.tool_schema(tool, ref_template=COMPONENT_REF)
+        components.update(arguments.pop("$defs", {}))
+        content: dict[str, Any] = {"schema": arguments}
+        example = apps.tool_example(tool)
+        if example is not None:
+            content["example"] = example
+        extra = _write_openapi(arguments)
+        extra["requestBody"]["content"]["application/json"] = content
+        tool_router.add_api_route(
+            "/v1/tools/" + quote(name, safe=""),
+            _tool_endpoint(name),
+            methods=["POST"],
+            status_code=201,
+            summary=tool.description or f"Call {name}, idempotently on Idempotency-Key",
+            description=f"The tool `{name}`, payload version {tool.payload_version}. "
+            "Same key and arguments: the stored receipt again, byte for byte.",
+            operation_id=f"call_tool_{name}",
+            tags=["tools"],
+            responses=_WRITE_RESPONSES,
+            openapi_extra=extra,
+        )
+    return tool_router, components
+
+
+def _tool_endpoint(name: str) -> Any:
+    async def call_named_tool(request: Request, principal: Caller, box: Box) -> Response:
+        return await _execute(request, principal, box, name)
+
+    return call_named_tool
 
 
 @router.post(
