@@ -253,6 +253,8 @@ class App:
         cfg = Config()
         # Outbox's env.py runs them, on the app's own version table and metadata.
         cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+        # One folder: split on os.pathsep (never on the spaces a path may hold).
+        cfg.set_main_option("path_separator", "os")
         cfg.set_main_option("version_locations", str(self.migrations))
         cfg.attributes["version_table"] = self.version_table
         cfg.attributes["target_metadata"] = self.metadata
