@@ -54,6 +54,9 @@ def create_app(
     # Each tool of the app is its own operation, generated here from its registry.
     tool_router, components = routes.tool_routers(box.tools)
     app.include_router(tool_router)
+    if routes.SUPPORT_TASK_TOOL in box.tools:
+        # The demo's shortcut, POST /v1/tasks, only where the demo's tool is served.
+        app.include_router(routes.tasks_router)
     app.include_router(routes.router)
     if components:
         _add_components(app, components)

@@ -32,6 +32,7 @@ SUPPORT_TASK_TOOL = tools.SUPPORT_TASK.name
 MAX_TASK_ID = 2**63 - 1  # BIGINT: a larger id cannot exist, and PostgreSQL would refuse it
 
 router = APIRouter()
+tasks_router = APIRouter()  # POST /v1/tasks: only with the demo's tool (``create_app``)
 
 Box = Annotated[Outbox, Depends(auth.get_box)]
 Caller = Annotated[Principal, Depends(auth.require_principal)]
@@ -131,7 +132,7 @@ def _tool_endpoint(name: str) -> Any:
     return call_named_tool
 
 
-@router.post(
+@tasks_router.post(
     "/v1/tasks",
     status_code=201,
     summary="Create a support task (the tool create_support_task)",
