@@ -118,7 +118,8 @@ class HttpAdapterConfig:
     # --- declarative requests (docs/adapters.md) ---
     body: Any = None  # a template (table, array or text); None: the payload itself
     body_format: str = "json"
-    vars: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # {{ vars.NAME }}
+    # {{ vars.NAME }}: constants; kept out of repr (one may be read from ${ENV}).
+    vars: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     auth: Any = None  # an ``adapters.auth`` object, secrets resolved
     classify_rules: tuple[classify.Override, ...] = ()
     lookup_by: str | None = None  # "key", "client_reference" or "reference"

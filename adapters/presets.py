@@ -317,6 +317,7 @@ ZENDESK = Preset(
         "lookup_params": {"external_id": "{{ effect_key }}"},
         "lookup_list_field": "tickets",
         "lookup_match": {"external_id": "{{ effect_key }}"},
+        "lookup_reference_field": "id",  # a listed ticket is not wrapped in "ticket"
         "lookup_settle_seconds": 5,
         "classify": [
             {

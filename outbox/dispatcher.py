@@ -55,7 +55,19 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 import adapters
-from outbox import db, errors, faults, logs, metrics, policy, retry, schema, settings, store, wakeup
+from outbox import (
+    adapters_cli,
+    db,
+    faults,
+    logs,
+    metrics,
+    policy,
+    retry,
+    schema,
+    settings,
+    store,
+    wakeup,
+)
 from outbox.states import AttemptOutcome, EffectStatus
 
 logger = logging.getLogger("outbox.dispatcher")
@@ -813,10 +825,7 @@ def cli_run(args: argparse.Namespace) -> int:
     dispatcher: Dispatcher | None = None
     try:
         db.check_schema(engine)
-        try:
-            registry = adapters.load_registry(config.adapters)
-        except adapters.AdapterError as exc:
-            raise errors.ConfigError(str(exc)) from exc
+        registry = adapters_cli.load(config.adapters)
         dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
         for name in registry.names():
             # A series from the start: "absent" and "closed" look different on a dashboard.

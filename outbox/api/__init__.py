@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
-from outbox import logs, metrics
+from outbox import adapters_cli, logs, metrics
 from outbox.api import limits, problems, routes
 from outbox.service import Outbox
 
@@ -86,6 +86,8 @@ def cli_serve(args: argparse.Namespace) -> int:
     logs.configure(config.log_format, config.log_level)
     host = args.host or config.api_host
     port = config.api_port if args.port is None else args.port
+    # A broken adapters file stops every process at start-up, this one too.
+    adapters_cli.check_at_startup(config.adapters)
     box = Outbox(getattr(args, "database_url", None), config=config)
     try:
         server = Server(
