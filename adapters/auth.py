@@ -127,7 +127,11 @@ class ApiKeyAuth:
 
 def _authlib_client() -> Any:
     # authlib prefers the httpx2 distribution and warns when it falls back to
-    # httpx, which is the client every other part of this package uses.
+    # httpx, which is the client every other part of this package uses. Its
+    # deprecate module installs an "always" filter when imported: import it
+    # first, so the "ignore" below is the filter in force for the import.
+    import authlib.deprecate  # noqa: F401
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from authlib.integrations.httpx_client import OAuth2Client

@@ -820,12 +820,13 @@ def cli_run(args: argparse.Namespace) -> int:
     config = settings.load(**overrides)
     logs.configure(config.log_format, config.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
+    # The adapters file first: a broken one stops us before the database is touched.
+    registry: adapters.Registry | None = adapters_cli.load(config.adapters)
     engine = db.create_engine(config, url=args.database_url)
-    registry: adapters.Registry | None = None
     dispatcher: Dispatcher | None = None
     try:
         db.check_schema(engine)
-        registry = adapters_cli.load(config.adapters)
+        assert registry is not None
         dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
         for name in registry.names():
             # A series from the start: "absent" and "closed" look different on a dashboard.

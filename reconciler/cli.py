@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 import adapters
-from outbox import errors, logs, metrics, settings
+from outbox import adapters_cli, errors, logs, metrics, settings
 from outbox.service import Outbox
 from reconciler import review, scheduler, sweeps
 
@@ -100,10 +100,7 @@ def _box(args: argparse.Namespace) -> Outbox:
 
 
 def _registry(config: settings.Settings) -> adapters.Registry:
-    try:
-        return adapters.load_registry(config.adapters)
-    except adapters.ConfigError as exc:
-        raise errors.ConfigError(f"adapters: {exc}") from exc
+    return adapters_cli.load(config.adapters)
 
 
 # --- reconciler -------------------------------------------------------------------
@@ -116,8 +113,13 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     if args.log_format is not None:
         overrides["log_format"] = args.log_format
     config = settings.load(**overrides)
-    box = Outbox(args.database_url, config=config)
+    # The adapters file first: a broken one stops us before the database is touched.
     registry = _registry(config)
+    try:
+        box = Outbox(args.database_url, config=config)
+    except BaseException:
+        registry.close()
+        raise
     try:
         worker = args.worker_id or scheduler.default_worker_id()
         all_sweeps = sweeps.build(box.engine, registry, config, worker=worker, clock=box.clock)
