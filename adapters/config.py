@@ -108,6 +108,13 @@ _KEYS_BY_KIND: Mapping[str, frozenset[str]] = {
     "helpdesk": frozenset(_HTTP_KEYS | {"base_url"}),
     "noop": frozenset({"kind"}),
 }
+
+
+def all_keys() -> frozenset[str]:
+    """Every key an [adapters.NAME] table may hold (docs/adapters.md describes each)."""
+    return frozenset().union(*_KEYS_BY_KIND.values())
+
+
 # The [adapters.NAME.auth] table: its keys by type (the first of each is "type").
 AUTH_KEYS: Mapping[str, frozenset[str]] = {
     "bearer": frozenset({"type", "token"}),
