@@ -9,9 +9,10 @@ the README. ``adapters.testing`` ships ``FakeAdapter`` and ``NoopAdapter``.
 from __future__ import annotations
 
 from adapters.classify import classify_exception, classify_response, parse_retry_after
-from adapters.config import ADAPTERS_ENV, load_registry
+from adapters.config import ADAPTERS_ENV, build_adapter, load_registry, read_document
 from adapters.errors import AdapterClosed, AdapterError, ConfigError, PayloadError, UnknownAdapter
-from adapters.http import HttpAdapter, HttpAdapterConfig
+from adapters.http import HttpAdapter, HttpAdapterConfig, PreparedRequest
+from adapters.presets import PRESETS, Preset
 from adapters.protocol import (
     Adapter,
     Capabilities,
@@ -25,6 +26,7 @@ from adapters.registry import Registry
 
 __all__ = [
     "ADAPTERS_ENV",
+    "PRESETS",
     "Adapter",
     "AdapterClosed",
     "AdapterError",
@@ -38,10 +40,14 @@ __all__ = [
     "LookupStatus",
     "Outcome",
     "PayloadError",
+    "PreparedRequest",
+    "Preset",
     "Registry",
     "UnknownAdapter",
+    "build_adapter",
     "classify_exception",
     "classify_response",
     "load_registry",
     "parse_retry_after",
+    "read_document",
 ]

@@ -309,3 +309,114 @@ def table_markdown() -> str:
         outcome, happened = cell(rule)
         lines.append(f"| {label} | {outcome} | {happened} | {rule.why} |")
     return "\n".join(lines) + "\n"
+
+
+# --- a provider's own exceptions to the table ------------------------------------
+
+OVERRIDE_OUTCOMES = {
+    "delivered": Outcome.DELIVERED,
+    "retryable": Outcome.RETRYABLE,
+    "permanent": Outcome.PERMANENT,
+    "ambiguous": Outcome.AMBIGUOUS,
+}
+"""What an override may say. Never NOT_SENT: a reply came, so the request arrived."""
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """One ``[[adapters.NAME.classify]]`` rule: when a reply matches, its outcome.
+
+    A rule matches when every condition given holds: the status is one of
+    ``status`` (empty: any), each dotted ``match`` path of the JSON body equals
+    its value, each ``headers`` entry equals the reply's header (names are
+    case-insensitive), and the body contains ``body_contains``. Rules are tried
+    in the order written, the first match wins, and a reply no rule matches
+    goes to the table above.
+    """
+
+    outcome: Outcome
+    status: frozenset[int] = frozenset()
+    match: Mapping[str, Any] | None = None
+    headers: Mapping[str, str] | None = None
+    body_contains: str | None = None
+    why: str = ""
+
+    def applies(self, status_code: int, headers: Mapping[str, str], body: bytes) -> bool:
+        if self.status and status_code not in self.status:
+            return False
+        for name, expected in (self.headers or {}).items():
+            if headers.get(name) != expected:
+                return False
+        if self.body_contains is not None and self.body_contains.encode() not in body:
+            return False
+        if self.match:
+            try:
+                document: Any = json.loads(body)
+            except ValueError:
+                return False
+            for path, expected in self.match.items():
+                if _at_path(document, path) != expected:
+                    return False
+        return True
+
+    def describe(self) -> str:
+        parts = []
+        if self.status:
+            parts.append("status " + "/".join(str(s) for s in sorted(self.status)))
+        parts += [f"{path} = {json.dumps(value)}" for path, value in (self.match or {}).items()]
+        parts += [f"header {name}: {value}" for name, value in (self.headers or {}).items()]
+        if self.body_contains is not None:
+            parts.append(f"body contains {self.body_contains!r}")
+        return f"{' and '.join(parts) or 'any reply'} -> {self.outcome.value}"
+
+
+_MISSING = object()
+
+
+def _at_path(document: Any, path: str) -> Any:
+    value = document
+    for part in path.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return _MISSING
+    return value
+
+
+def classify_overrides(
+    rules: tuple[Override, ...] | list[Override],
+    status_code: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    reference_field: str | None = "id",
+    now: Callable[[], datetime] = _utcnow,
+) -> DeliveryResult | None:
+    """The result the first matching rule gives, or None when no rule matches."""
+    for rule in rules:
+        if not rule.applies(status_code, headers, body):
+            continue
+        why = f" ({rule.why})" if rule.why else ""
+        error = f"HTTP {status_code}: {body_excerpt(body)}".rstrip(": ") + why
+        if rule.outcome is Outcome.DELIVERED:
+            if reference_field is None:
+                return DeliveryResult.delivered(None, status_code=status_code)
+            ref = extract_reference(body, reference_field)
+            if ref is None:
+                return DeliveryResult.ambiguous(
+                    f"HTTP {status_code} without a readable {reference_field!r} in the body: "
+                    f"{body_excerpt(body)}",
+                    status_code=status_code,
+                )
+            return DeliveryResult.delivered(ref, status_code=status_code)
+        if rule.outcome is Outcome.RETRYABLE:
+            raw = headers.get("retry-after")
+            return DeliveryResult.retryable(
+                parse_retry_after(raw, now()), status_code=status_code, error=error
+            )
+        if rule.outcome is Outcome.PERMANENT:
+            return DeliveryResult.permanent(error, status_code=status_code)
+        return DeliveryResult.ambiguous(error, status_code=status_code)
+    return None

@@ -170,11 +170,18 @@ class Capabilities:
     honours_idempotency_keys: bool  # a resend with the same key never makes a second effect
     supports_lookup: bool  # lookup() can find an effect by its key
     lookup_settle_seconds: float = 0.0  # wait this long after the last attempt before a lookup
+    # How long the provider remembers a key (Stripe: 24 h). None: for ever. Past
+    # it, a resend with the same key could make a second effect, so Outbox
+    # stops resending and looks up instead (outbox.policy reads the window).
+    key_retention_seconds: float | None = None
 
     def __post_init__(self) -> None:
         settle = self.lookup_settle_seconds
         if not math.isfinite(settle) or settle < 0:
             raise ValueError(f"lookup_settle_seconds must be a finite number >= 0, not {settle}")
+        retention = self.key_retention_seconds
+        if retention is not None and (not math.isfinite(retention) or retention <= 0):
+            raise ValueError(f"key_retention_seconds must be a finite number > 0, not {retention}")
 
 
 @runtime_checkable

@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     app_cli.register(sub)
 
+    from outbox import adapters_cli
+
+    adapters_cli.register(sub)
+
     for name, (module, function, register_name) in PROCESS_COMMANDS.items():
         p = sub.add_parser(name, help=PROCESS_HELP[name])
         _register_process(module, register_name, p)

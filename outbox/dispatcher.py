@@ -184,6 +184,12 @@ class Dispatcher:
         # Metric children by label values: ``labels()`` costs more than a no-op send.
         self._delivery_counters: dict[tuple[str, str], Any] = {}
         self._attempt_timers: dict[str, Any] = {}
+        # Providers that forget keys: the claim and every decision read their window.
+        self._key_retention: dict[str, float] = {
+            adapter.name: adapter.capabilities.key_retention_seconds
+            for adapter in registry
+            if adapter.capabilities.key_retention_seconds is not None
+        }
 
     # --- the retry budget and the breaker, per adapter -----------------------
 
@@ -254,6 +260,7 @@ class Dispatcher:
                 for name, b in self._breakers.items()
                 if b.state is not retry.BreakerState.CLOSED
             ),
+            key_retention=self._key_retention,
         )
 
     # --- one pass ----------------------------------------------------------------
@@ -464,6 +471,12 @@ class Dispatcher:
         effect = task.effect
         caps = task.adapter.capabilities if task.adapter is not None else None
         honours = caps is not None and caps.honours_idempotency_keys
+        retry_at = self.backoff.retry_at(
+            now=at, attempts=effect.attempt_no, retry_after=result.retry_after
+        )
+        key_expires_at = policy.key_expires_at(
+            effect.key_first_sent_at, caps.key_retention_seconds if caps is not None else None
+        )
         decision = policy.after_attempt(
             outcome=result.outcome,
             may_have_happened=result.may_have_happened,
@@ -471,12 +484,19 @@ class Dispatcher:
             maybe_sent_before=effect.maybe_sent,
             attempts=effect.attempt_no,
             max_attempts=self.settings.max_attempts,
-            retry_at=self.backoff.retry_at(
-                now=at, attempts=effect.attempt_no, retry_after=result.retry_after
-            ),
+            retry_at=retry_at,
             deadline_at=effect.deadline_at,
+            key_expires_at=key_expires_at,
         )
         provider_ref, error = result.provider_ref, result.error
+        if (
+            decision.status is S.OUTCOME_UNKNOWN
+            and honours
+            and not policy.key_window_open(retry_at, key_expires_at)
+        ):
+            error = (
+                f"{error}; {policy.KEY_RETENTION_PASSED}" if error else policy.KEY_RETENTION_PASSED
+            )
         if decision.status is S.SUCCEEDED and not provider_ref:
             # The schema needs a reference for a success; say where this one came from.
             provider_ref = store.NO_REFERENCE_MARKER.format(status_code=result.status_code)
@@ -595,6 +615,7 @@ class Dispatcher:
             handed_to_adapter=handed,
             honours_keys=caps is not None and caps.honours_idempotency_keys,
             lookup_settle_seconds=caps.lookup_settle_seconds if caps is not None else 0.0,
+            key_retention_seconds=caps.key_retention_seconds if caps is not None else None,
         )
 
     # --- leases ----------------------------------------------------------------------
@@ -788,15 +809,16 @@ def cli_run(args: argparse.Namespace) -> int:
     config = settings.load(**overrides)
     logs.configure(config.log_format, config.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # the schema check is not news
+    app = apps.from_args(args)
+    # The app's adapters (OUTBOX_ADAPTERS, when set, replaces the app's file), first:
+    # a broken file stops us before the database is touched.
+    registry: adapters.Registry | None = app.build_adapters(config.adapters)
     engine = db.create_engine(config, url=args.database_url)
-    registry: adapters.Registry | None = None
     dispatcher: Dispatcher | None = None
     try:
         db.check_schema(engine)
-        app = apps.from_args(args)
         app.check_schema(engine)
-        # The app's adapters (OUTBOX_ADAPTERS, when set, replaces the app's file).
-        registry = app.build_adapters(config.adapters)
+        assert registry is not None
         dispatcher = Dispatcher(engine, registry, config, worker_id=args.worker_id)
         for name in registry.names():
             # A series from the start: "absent" and "closed" look different on a dashboard.

@@ -12,15 +12,50 @@ DESIGN.md's state machine are written once:
   may have been sent is never marked failed by a timer or a later 4xx: it
   becomes ``outcome_unknown`` instead;
 - only an authoritative "not found" (lookup) or an operator clears the
-  may-have-been-sent evidence and so permits a resend.
+  may-have-been-sent evidence and so permits a resend;
+- a provider that forgets keys after a window (``key_retention``) honours
+  them only inside it: a resend due past ``key_expires_at`` is treated as one
+  to a provider that ignores keys, so the effect goes to lookup instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from outbox.states import AttemptOutcome, EffectStatus, Reason
+
+KEY_RETENTION_MARGIN_RATIO = 0.1
+KEY_RETENTION_MARGIN_MAX = timedelta(minutes=5)
+"""Stop resending this long before the provider's window closes (a tenth of it, at most
+five minutes): the window runs from when the provider first saw the key, which is
+after our first attempt started, but a resend also takes time to arrive."""
+
+
+def key_expires_at(
+    first_sent_at: datetime | None, retention_seconds: float | None
+) -> datetime | None:
+    """The last moment a resend with the same key is still deduplicated; None: no limit.
+
+    ``first_sent_at`` is when the earliest attempt that may have reached the
+    provider started (``attempts.started_at``): the provider's window began after it.
+    """
+    if first_sent_at is None or retention_seconds is None:
+        return None
+    retention = timedelta(seconds=retention_seconds)
+    margin = min(retention * KEY_RETENTION_MARGIN_RATIO, KEY_RETENTION_MARGIN_MAX)
+    return first_sent_at + retention - margin
+
+
+def key_window_open(at: datetime, expires_at: datetime | None) -> bool:
+    """May a resend at ``at`` rely on the provider still remembering the key?"""
+    return expires_at is None or at < expires_at
+
+
+KEY_RETENTION_PASSED = (
+    "the provider's key retention has passed since the first send: a resend could make a "
+    "second effect, so it is looked up instead"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +87,18 @@ def after_attempt(
     max_attempts: int,
     retry_at: datetime,
     deadline_at: datetime,
+    key_expires_at: datetime | None = None,
 ) -> Decision:
     """Decide the row's next state from one attempt's classified outcome.
 
     ``attempts`` counts this attempt. ``retry_at`` is when a retry would be due
     (backoff and Retry-After already applied); past ``deadline_at`` there is none.
+    ``key_expires_at`` (see ``key_expires_at()``): a resend due at or after it
+    is not protected by the key any more.
     """
     maybe_sent = maybe_sent_before or may_have_happened
+    # The key protects a resend only inside the provider's retention window.
+    honours_keys = honours_keys and key_window_open(retry_at, key_expires_at)
     if outcome is AttemptOutcome.DELIVERED:
         return Decision(EffectStatus.SUCCEEDED, Reason.DELIVERED, True)
     if outcome is AttemptOutcome.PERMANENT:
@@ -108,3 +148,17 @@ def after_lookup_not_found(*, now: datetime, deadline_at: datetime) -> Decision:
     if now >= deadline_at:
         return Decision(EffectStatus.FAILED, Reason.DEADLINE_NOTHING_SENT, False)
     return Decision(EffectStatus.PENDING, Reason.LOOKUP_NOT_FOUND, False, now)
+
+
+def before_resend(
+    *, now: datetime, maybe_sent: bool, key_expires_at: datetime | None
+) -> Decision | None:
+    """At the claim of a due row: None to send it, or the decision that stops the resend.
+
+    A row scheduled inside the key window may become due past it (the dispatcher
+    was down, the backoff was long): once an earlier send may have reached the
+    provider, a resend past the window could make a second effect.
+    """
+    if maybe_sent and not key_window_open(now, key_expires_at):
+        return Decision(EffectStatus.OUTCOME_UNKNOWN, Reason.AMBIGUOUS_NO_KEY_SUPPORT, True)
+    return None

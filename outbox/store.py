@@ -28,7 +28,7 @@ The state decisions come from ``outbox.policy``; this module only writes them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -73,6 +73,9 @@ class ClaimParams:
     # them (one round trip less) and asks ``admit`` afterwards, for its counts.
     # None: every due row is offered to ``admit`` before it is claimed.
     unsettled_adapters: frozenset[str] | None = None
+    # Adapters whose provider forgets keys, and after how many seconds. A due row
+    # that may have been sent before is not resent past its window (policy.before_resend).
+    key_retention: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +106,23 @@ class Claimed:
     deadline_at: datetime
     lease_expires_at: datetime
     started_at: datetime
+    # When the earliest attempt that may have reached the provider started: this
+    # attempt's start unless an earlier one may have been sent (then the first
+    # attempt's). Filled for adapters with a key retention; None elsewhere.
+    first_sent_at: datetime | None = None
+
+    @property
+    def key_first_sent_at(self) -> datetime:
+        """The start of the provider's key window for this effect (see ``first_sent_at``)."""
+        if self.first_sent_at is not None:
+            return self.first_sent_at
+        return self.started_at
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
     effects: list[Claimed]
-    expired: int  # due rows past their deadline, settled by policy.at_deadline, not sent
+    expired: int  # due rows past their deadline (or key window), settled by policy, not sent
     skipped: int  # due rows the admission check refused this time (left pending, untouched)
     now: datetime | None  # the clock the claim used (None when nothing was due)
 
@@ -217,21 +231,42 @@ def claim_due(
         now: datetime = rows[0].db_now
         send: list[int] = []
         expired: list[Candidate] = []
+        forgotten: list[Candidate] = []
         skipped = 0
+        first_sends = _first_sends(
+            conn,
+            [r.id for r in rows if r.maybe_sent and r.adapter in params.key_retention],
+        )
         for row in rows:
             candidate = Candidate(
                 row.id, row.adapter, row.attempts, row.maybe_sent, row.deadline_at
             )
+            stop = policy.before_resend(
+                now=now,
+                maybe_sent=candidate.maybe_sent,
+                key_expires_at=policy.key_expires_at(
+                    first_sends.get(candidate.id), params.key_retention.get(candidate.adapter)
+                ),
+            )
             if candidate.deadline_at <= now:
                 expired.append(candidate)
+            elif stop is not None:
+                forgotten.append(candidate)
             elif admitted_by(candidate, now):
                 send.append(candidate.id)
             else:
                 skipped += 1
         claimed = _claim(conn, send, params.owner, now, now + params.lease) if send else []
+        if first_sends:
+            claimed = [
+                replace(c, first_sent_at=first_sends[c.id]) if c.id in first_sends else c
+                for c in claimed
+            ]
         if expired:
             _settle_at_deadline(conn, expired, now)
-        return Claim(claimed, len(expired), skipped, now)
+        if forgotten:
+            _settle_past_key_window(conn, forgotten, now)
+        return Claim(claimed, len(expired) + len(forgotten), skipped, now)
 
     # No pre-ping (a round trip per pass): a pooled connection found dead before
     # anything was committed or admitted is replaced, and the claim runs again.
@@ -488,6 +523,39 @@ def _claim(
             [(c.id, c.attempt_no, owner, c.fence, c.effect_key, started) for c in claimed],
         )
     return claimed
+
+
+def _first_sends(conn: Connection, effect_ids: Sequence[int]) -> dict[int, datetime]:
+    """When each effect's first attempt started (the conservative start of its key window)."""
+    if not effect_ids:
+        return {}
+    rows = conn.execute(
+        sa.select(_att.c.effect_id, sa.func.min(_att.c.started_at))
+        .where(_ids_match(conn, _att.c.effect_id, effect_ids))
+        .group_by(_att.c.effect_id)
+    ).all()
+    return {effect_id: started for effect_id, started in rows if started is not None}
+
+
+def _settle_past_key_window(conn: Connection, rows: list[Candidate], now: datetime) -> None:
+    """Due rows that may have been sent, whose provider has forgotten the key: look up."""
+    for row in rows:
+        decision = policy.before_resend(now=now, maybe_sent=True, key_expires_at=now)
+        assert decision is not None
+        states.check_transition(S.PENDING, decision.status)
+        conn.execute(
+            sa.update(_out)
+            .where(_out.c.id == row.id, _out.c.status == S.PENDING)
+            .values(
+                status=decision.status,
+                reason=decision.reason,
+                maybe_sent=True,
+                next_lookup_at=now,
+                needs_review=False,
+                last_error=policy.KEY_RETENTION_PASSED,
+                updated_at=now,
+            )
+        )
 
 
 def _settle_at_deadline(conn: Connection, rows: list[Candidate], now: datetime) -> None:
@@ -761,6 +829,7 @@ class Release:
     handed_to_adapter: bool  # True: the send may have happened (or be happening)
     honours_keys: bool
     lookup_settle_seconds: float = 0.0
+    key_retention_seconds: float | None = None
 
 
 def release(
@@ -804,6 +873,7 @@ def release(
             max_attempts=max_attempts,
             retry_at=now,
             deadline_at=c.deadline_at,
+            key_expires_at=policy.key_expires_at(c.key_first_sent_at, item.key_retention_seconds),
         )
         finishes.append(
             Finish(
@@ -855,6 +925,16 @@ def expire_leases(
                 _out.c.maybe_sent,
                 _out.c.deadline_at,
                 now_expr.label("db_now"),
+                # The start of the key window: the first attempt if an earlier one may
+                # have been sent, else this (open, latest) attempt.
+                sa.select(sa.func.min(_att.c.started_at))
+                .where(_att.c.effect_id == _out.c.id)
+                .scalar_subquery()
+                .label("first_started_at"),
+                sa.select(sa.func.max(_att.c.started_at))
+                .where(_att.c.effect_id == _out.c.id)
+                .scalar_subquery()
+                .label("last_started_at"),
             )
             .where(_out.c.status == S.IN_FLIGHT, _out.c.lease_expires_at < now_expr)
             .order_by(_out.c.lease_expires_at)
@@ -880,6 +960,10 @@ def expire_leases(
                 max_attempts=max_attempts,
                 retry_at=retry_at(at, row.attempts) if retry_at else at,
                 deadline_at=row.deadline_at,
+                key_expires_at=policy.key_expires_at(
+                    row.first_started_at if row.maybe_sent else row.last_started_at,
+                    caps.key_retention_seconds if caps is not None else None,
+                ),
             )
             finishes.append(
                 Finish(

@@ -116,8 +116,13 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
         overrides["log_format"] = args.log_format
     config = settings.load(**overrides)
     app = apps.from_args(args)
-    box = Outbox(args.database_url, config=config, app=app)
+    # The adapters first: a broken file stops us before the database is touched.
     registry = _registry(app, config)
+    try:
+        box = Outbox(args.database_url, config=config, app=app)
+    except BaseException:
+        registry.close()
+        raise
     try:
         worker = args.worker_id or scheduler.default_worker_id()
         all_sweeps = sweeps.build(box.engine, registry, config, worker=worker, clock=box.clock)

@@ -9,6 +9,7 @@ import pytest
 import respx
 
 from adapters import ADAPTERS_ENV, ConfigError, HttpAdapter, Outcome, load_registry
+from adapters.config import all_keys as config_keys
 from adapters.testing import NoopAdapter
 from tests.adapters.support import request_for
 
@@ -48,9 +49,21 @@ def test_an_explicit_path_wins_over_the_environment(tmp_path: Path) -> None:
 
 
 def test_the_example_file_loads_and_is_documented() -> None:
-    env = {"CRM_TOKEN": "t"}
+    env = {
+        "CRM_TOKEN": "t",
+        "NOTES_CLIENT_ID": "id",
+        "NOTES_CLIENT_SECRET": "secret",
+        "STRIPE_API_KEY": "sk_test_x",
+    }
     with load_registry(EXAMPLE, env=env) as registry:
-        assert set(registry.names()) >= {"helpdesk", "crm"}
+        assert set(registry.names()) >= {"helpdesk", "crm", "notes", "payments"}
+        notes = registry.get("notes")
+        assert isinstance(notes, HttpAdapter)
+        assert notes.capabilities.key_retention_seconds == 24 * 3600
+    docs = (EXAMPLE.parents[1] / "docs" / "adapters.md").read_text(encoding="utf-8")
+    for key in sorted(config_keys()):
+        assert f"`{key}`" in docs, f"docs/adapters.md does not describe {key}"
+    with load_registry(EXAMPLE, env=env) as registry:
         crm = registry.get("crm")
         assert isinstance(crm, HttpAdapter)
         assert not crm.capabilities.honours_idempotency_keys

@@ -39,16 +39,21 @@ def test_exported_members() -> None:
             "DeliveryResult",
             "HttpAdapter",
             "HttpAdapterConfig",
+            "PRESETS",
+            "Preset",
+            "PreparedRequest",
             "LookupResult",
             "LookupStatus",
             "Outcome",
             "PayloadError",
             "Registry",
             "UnknownAdapter",
+            "build_adapter",
             "classify_exception",
             "classify_response",
             "load_registry",
             "parse_retry_after",
+            "read_document",
         ]
     )
     for name in adapters.__all__:
