@@ -318,9 +318,7 @@ approval_actions = sa.Table(
         ondelete="CASCADE",
     ),
     sa.UniqueConstraint("tenant", "operation_id"),
-    sa.CheckConstraint(
-        "decision <> 'reject' OR length(reason) > 0", name="rejection_has_reason"
-    ),
+    sa.CheckConstraint("decision <> 'reject' OR length(reason) > 0", name="rejection_has_reason"),
 )
 
 tombstones = sa.Table(

@@ -12,7 +12,7 @@ only the run that commits keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -94,6 +94,12 @@ class Tool:
     arguments: type[BaseModel]
     handler: Handler
     description: str = ""
+    # The tool's effects cannot be undone (a refund, a payment): surfaces say so
+    # (MCP's destructiveHint), so an agent host asks before it calls.
+    destructive: bool = False
+    # Each call waits for an operator: the receipt commits as awaiting_approval
+    # with its effects held, and nothing reaches a provider until approval.
+    requires_approval: bool = False
 
     def validate(self, arguments: Any) -> BaseModel:
         """Validate and normalise; raise ``InvalidArguments`` naming every bad field."""
@@ -104,10 +110,11 @@ class Tool:
         try:
             return self.arguments.model_validate(dict(arguments))
         except ValidationError as exc:
-            raise errors.InvalidArguments(_field_errors(exc)) from None
+            raise errors.InvalidArguments(field_errors(exc)) from None
 
 
-def _field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """A pydantic error as ``InvalidArguments.errors``: one ``{field, message, type}`` each."""
     out = []
     for err in exc.errors(include_url=False, include_input=False):
         loc = ".".join(str(part) for part in err["loc"])
@@ -136,6 +143,10 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._tools)
+
+    def __iter__(self) -> Iterator[Tool]:
+        """Every registered tool, by name."""
+        return iter([self._tools[name] for name in sorted(self._tools)])
 
     def __contains__(self, name: object) -> bool:
         return name in self._tools

@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from outbox import logs, metrics
-from outbox.api import limits, problems, routes
+from outbox.api import approvals, limits, problems, routes
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -35,6 +35,7 @@ def create_app(
     routers: Iterable[APIRouter] = (),
     load_entry_points: bool = True,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
+    mcp: bool = True,
 ) -> FastAPI:
     """An app serving ``box``. The caller owns ``box`` (and closes it)."""
     app = FastAPI(
@@ -51,6 +52,17 @@ def create_app(
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
     app.include_router(routes.router)
+    app.include_router(approvals.router)
+    if mcp:
+        from starlette.routing import Route
+
+        from outbox.mcp_server import HttpEndpoint
+
+        # MCP over streamable HTTP: the same tokens, tenants and service calls.
+        endpoint = HttpEndpoint(box, load_entry_points=load_entry_points)
+        app.router.routes.append(
+            Route("/mcp", endpoint=endpoint, methods=["GET", "POST", "DELETE"])
+        )
     for router in routers:
         app.include_router(router)
     if load_entry_points:

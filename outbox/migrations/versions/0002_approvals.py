@@ -60,7 +60,9 @@ REASON_BEFORE = [
 ]
 REASON_AFTER = [*REASON_BEFORE, "awaiting_approval", "approved", "rejected"]
 APPROVAL = ["awaiting_approval", "approved", "rejected"]
-HELD_NEVER_SENT = "status <> 'held' OR (attempts = 0 AND maybe_sent = false AND lease_owner IS NULL)"
+HELD_NEVER_SENT = (
+    "status <> 'held' OR (attempts = 0 AND maybe_sent = false AND lease_owner IS NULL)"
+)
 
 
 def _in(column: str, values: list[str]) -> str:
