@@ -48,9 +48,7 @@ async def test_the_same_contract_over_streamable_http(
     async with session(base_url, agent_token) as client:
         listed = {t.name: t for t in (await client.list_tools()).tools}
         # Every registered tool is listed, the test-only one too: nothing is hard-coded.
-        assert {"create_support_task", "issue_refund", "get_operation", "get_task"} <= set(
-            listed
-        )
+        assert {"create_support_task", "issue_refund", "get_operation", "get_task"} <= set(listed)
         assert "list_review_items" not in listed  # operators only
         tool = listed["create_support_task"]
         assert tool.input_schema["required"][0] == "operation_id"
