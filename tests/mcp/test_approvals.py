@@ -70,14 +70,15 @@ async def test_held_until_one_approval_delivers_it_exactly_once(
     assert provider.transport.requests == []
 
     # The operator sees it, with what it would send.
-    listed = httpx.get(f"{base_url}/v1/approvals", headers=bearer(operator_token)).json()
+    operator = httpx.AsyncClient(base_url=base_url, headers=bearer(operator_token))
+    listed = (await operator.get("/v1/approvals")).json()
     assert [i["operation_id"] for i in listed["items"]] == ["refund-1"]
     assert listed["items"][0]["effects"][0]["payload"]["subject"] == SUBJECT
 
     # One approval releases it; a second changes nothing.
-    url = f"{base_url}/v1/approvals/refund-1/approve"
-    first = httpx.post(url, headers=bearer(operator_token), json={"actor": "ada"})
-    second = httpx.post(url, headers=bearer(operator_token), json={"actor": "bob"})
+    url = "/v1/approvals/refund-1/approve"
+    first = await operator.post(url, json={"actor": "ada"})
+    second = await operator.post(url, json={"actor": "bob"})
     assert first.status_code == 200 and first.json()["changed"] is True
     assert first.headers["idempotent-replayed"] == "false"
     assert second.status_code == 200 and second.json()["changed"] is False
@@ -89,7 +90,8 @@ async def test_held_until_one_approval_delivers_it_exactly_once(
     assert len(provider.transport.requests) == 1
 
     # The audit says who approved and when; one entry, the first operator's.
-    shown = httpx.get(f"{base_url}/v1/approvals/refund-1", headers=bearer(operator_token)).json()
+    shown = (await operator.get("/v1/approvals/refund-1")).json()
+    await operator.aclose()
     decision = shown["decision"]
     assert decision["decision"] == "approve"
     assert decision["actor"].startswith("ada (token:")
