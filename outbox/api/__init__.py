@@ -4,6 +4,10 @@
     from outbox.api import create_app
     app = create_app(Outbox())          # any ASGI server; `outbox serve` runs uvicorn
 
+Besides the tool routes and reads it serves ``/v1/approvals`` (operators'
+decisions on approval-required calls) and, unless ``mcp=False``, the MCP
+streamable HTTP endpoint at ``/mcp`` (``outbox.mcp_server``).
+
 Routes of packages above ``outbox`` (the review queue) are mounted from the
 ``outbox.routers`` entry point group, so ``outbox`` never imports them. Their
 errors render like ours: raise an ``OutboxError`` and ``problems`` answers.
