@@ -57,6 +57,17 @@ _WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# A tool that requires approval answers 202: recorded, its effects held for an operator.
+_TOOL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_WRITE_RESPONSES,
+    202: {
+        "description": "Recorded and awaiting an operator's approval (the tool requires "
+        "one); nothing is sent until it is approved. A replay answers 202 again.",
+        "content": {"application/json": {"schema": RECEIPT_SCHEMA}},
+    },
+}
+
+
 def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
     # The body is read by hand (bounded, exact error answers), so describe it here.
     return {
@@ -75,7 +86,7 @@ def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
     "/v1/tools/{tool}",
     status_code=201,
     summary="Call a tool, idempotently on Idempotency-Key",
-    responses=_WRITE_RESPONSES,
+    responses=_TOOL_RESPONSES,
     openapi_extra=_write_openapi({"type": "object", "description": "The tool's arguments."}),
 )
 async def call_tool(tool: str, request: Request, principal: Caller, box: Box) -> Response:

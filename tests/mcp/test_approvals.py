@@ -235,3 +235,17 @@ def test_a_held_effect_outlives_its_deadline_and_gets_its_time_after_approval(
         assert released.next_attempt_at == clock()
     finally:
         box.close()
+
+
+def test_the_http_api_answers_202_and_replays_it(base_url: str, agent_token: str):
+    headers = {**bearer(agent_token), "Idempotency-Key": "refund-http"}
+    url = f"{base_url}/v1/tools/issue_refund"
+    first = httpx.post(url, headers=headers, json=REFUND)
+    second = httpx.post(url, headers=headers, json=REFUND)
+    assert (first.status_code, second.status_code) == (202, 202)
+    assert first.content == second.content
+    assert first.json()["status"] == "awaiting_approval"
+    assert second.headers["idempotent-replayed"] == "true"
+    read = httpx.get(f"{base_url}/v1/operations/refund-http", headers=bearer(agent_token))
+    assert read.json()["approval"] == {"status": "awaiting_approval", "decision": None}
+    assert [e["status"] for e in read.json()["effects"]] == ["held"]
