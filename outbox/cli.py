@@ -261,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     adapters_cli.register(sub)
 
+    from outbox import approvals_cli, mcp_command
+
+    approvals_cli.register(sub)
+    mcp_command.register(sub)
+
     for name, (module, function, register_name) in PROCESS_COMMANDS.items():
         p = sub.add_parser(name, help=PROCESS_HELP[name])
         _register_process(module, register_name, p)

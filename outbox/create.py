@@ -62,6 +62,7 @@ from outbox import db, digest, errors, faults, schema, states, tools
 
 OPERATION_ID = re.compile(r"^[\x21-\x7e]{1,255}$")
 CREATED_STATUS = 201
+ACCEPTED_STATUS = 202  # created, and waiting for an operator's approval
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ def _one_statement(engine: Engine, conn: db.Driver, request: _Request) -> Execut
         faults.point("create.after_outbox_insert")
         sql, params = _pg_statement(record, writer.rows, effects)
         if db.driver_execute(conn, sql, params).fetchone() is not None:
-            return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
+            return ExecuteResult(tenant, operation_id, True, record["status_code"], receipt_json)
         # A concurrent create of the key committed first (or it has just expired).
         found = _find(conn, tenant, operation_id)
         if found is None:  # pragma: no cover - the statement found the record or tombstone
@@ -471,7 +472,7 @@ def _create(conn: db.Driver, request: _Request, sa_conn: Connection | None) -> E
             sql = db.insert_sql(schema.outbox, tuple(rows[0]), None, backend)
             db.driver_execute(conn, sql, rows if len(rows) > 1 else rows[0], many=len(rows) > 1)
     faults.point("create.after_outbox_insert")
-    return ExecuteResult(tenant, operation_id, True, CREATED_STATUS, receipt_json)
+    return ExecuteResult(tenant, operation_id, True, record["status_code"], receipt_json)
 
 
 def _run_handler(writer: tools.RowWriter, request: _Request) -> tools.ToolOutput:
@@ -492,7 +493,13 @@ def _record_and_effects(
     now = request.now
     when = schema.sqlite_time if backend == "sqlite" else _same
     created, expires = when(now), when(now + request.retention)
-    receipt_json = encode_receipt(output.receipt)
+    receipt = output.receipt
+    status_code = CREATED_STATUS
+    if request.spec.requires_approval:
+        # The receipt says what happened to the request: it waits for an operator.
+        receipt = {**receipt, "status": states.ApprovalStatus.AWAITING_APPROVAL.value}
+        status_code = ACCEPTED_STATUS
+    receipt_json = encode_receipt(receipt)
     record = {
         "tenant": request.tenant,
         "operation_id": request.operation_id,
@@ -500,11 +507,14 @@ def _record_and_effects(
         "payload_version": request.spec.payload_version,
         "args_digest": request.args_digest,
         "receipt": receipt_json,
-        "status_code": CREATED_STATUS,
+        "status_code": status_code,
         "task_id": output.task_id,
         "created_at": created,
         "expires_at": expires,
     }
+    held = request.spec.requires_approval
+    if held:
+        record["approval"] = states.ApprovalStatus.AWAITING_APPROVAL.value
     default_deadline = when(now + request.effect_deadline)
     effects = [
         {
@@ -512,8 +522,8 @@ def _record_and_effects(
             "adapter": effect.adapter,
             "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
             "effect_key": new_effect_key(),
-            "status": _PENDING,
-            "reason": _CREATED,
+            "status": _HELD if held else _PENDING,
+            "reason": _AWAITING_APPROVAL if held else _CREATED,
             "attempts": 0,
             "maybe_sent": False,
             "next_attempt_at": created,
@@ -531,6 +541,8 @@ def _record_and_effects(
 
 _PENDING = states.EffectStatus.PENDING.value
 _CREATED = states.Reason.CREATED.value
+_HELD = states.EffectStatus.HELD.value
+_AWAITING_APPROVAL = states.Reason.AWAITING_APPROVAL.value
 
 
 def _same(value: datetime) -> datetime:

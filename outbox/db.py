@@ -492,10 +492,18 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
 
     before = current_revision(engine)
     with engine.connect() as conn:
+        sqlite_driver: Any = None
         if conn.dialect.name == "postgresql":
             # One migrator at a time: a second waits, then finds nothing to do.
             conn.exec_driver_sql("SELECT pg_advisory_lock(726373)")
             conn.commit()
+        else:
+            # SQLite changes a table's constraints by rebuilding it, and dropping
+            # the old table would cascade to the rows that reference it. Foreign
+            # keys are off for the migration (the pragma is a no-op inside a
+            # transaction, so before it begins) and checked before they are on again.
+            sqlite_driver = conn.connection.driver_connection
+            sqlite_driver.execute("PRAGMA foreign_keys=OFF")
         try:
             command.upgrade(_alembic_config(conn), revision)
             conn.commit()
@@ -503,6 +511,11 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
             if conn.dialect.name == "postgresql":
                 conn.exec_driver_sql("SELECT pg_advisory_unlock(726373)")
                 conn.commit()
+            elif sqlite_driver is not None:
+                broken = sqlite_driver.execute("PRAGMA foreign_key_check").fetchall()
+                sqlite_driver.execute("PRAGMA foreign_keys=ON")
+                if broken:
+                    raise errors.SchemaError(f"the migration broke foreign keys: {broken[:5]}")
     return before, current_revision(engine) or ""
 
 

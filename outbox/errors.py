@@ -13,7 +13,7 @@
     · OperationNotFound · TaskNotFound · EffectNotFound
   x Busy                         503, retry=same_key: the lock wait ran out
   x Conflict                     409: the state is not the one the action expected
-    · StaleTransition · ReviewConflict
+    · StaleTransition · ReviewConflict · ApprovalConflict
   x SchemaError                  run ``outbox db upgrade`` (or upgrade the code)
     · SchemaNotCurrent · SchemaTooNew
   x ConfigError                  a setting is out of bounds; the message names it
@@ -210,6 +210,19 @@ class ReviewConflict(Conflict):
             detail
             or f"effect {effect_id} was expected to be {expected} but is {actual}; nothing changed"
         )
+
+
+class ApprovalConflict(Conflict):
+    """The operation's approval was already decided the other way, or it needs none."""
+
+    problem_type = "approval-conflict"
+    title = "Approval already decided"
+
+    def __init__(self, tenant: str, operation_id: str, actual: str | None, detail: str) -> None:
+        self.tenant = tenant
+        self.operation_id = operation_id
+        self.actual = actual
+        super().__init__(detail)
 
 
 class SchemaError(OutboxError):

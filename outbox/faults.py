@@ -13,6 +13,8 @@ Points:
   at which nothing is committed.
 - ``dispatch.after_attempt_commit``: the attempt row is committed, nothing sent.
 - ``dispatch.after_send_before_finish``: the provider answered; nothing recorded.
+- ``mcp.after_execute``: an MCP tool call's create has committed; its reply is
+  not yet sent (the lost-reply window, as an agent host sees it).
 """
 
 from __future__ import annotations

@@ -140,7 +140,17 @@ operations = sa.Table(
     sa.Column("task_id", sa.BigInteger(), nullable=True),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("expires_at", UTCDateTime(), nullable=False),
+    # NULL unless the tool requires approval; then awaiting_approval, until an
+    # operator's compare-and-set moves it to approved or rejected (final).
+    sa.Column("approval", _enum(states.ApprovalStatus, "approval"), nullable=True),
     sa.Index("ix_operations_expires_at", "expires_at"),
+    sa.Index(
+        "ix_operations_awaiting_approval",
+        "tenant",
+        "created_at",
+        sqlite_where=sa.text("approval = 'awaiting_approval'"),
+        postgresql_where=sa.text("approval = 'awaiting_approval'"),
+    ),
 )
 
 S = states.EffectStatus
@@ -199,6 +209,11 @@ outbox = sa.Table(
         "needs_review = false OR status = 'outcome_unknown'", name="review_only_when_unknown"
     ),
     sa.CheckConstraint("attempts >= 0 AND lookup_attempts >= 0", name="counts_not_negative"),
+    # A held effect was never offered to a dispatcher: nothing can have been sent.
+    sa.CheckConstraint(
+        "status <> 'held' OR (attempts = 0 AND maybe_sent = false AND lease_owner IS NULL)",
+        name="held_never_sent",
+    ),
     sa.Index("ix_outbox_tenant_operation_id", "tenant", "operation_id"),
     # Partial indexes: the hot queries touch only live rows, so a million
     # finished rows do not slow the claim.
@@ -279,6 +294,31 @@ review_actions = sa.Table(
     sa.Column("status_after", sa.String(32), nullable=False),
     sa.CheckConstraint("length(reason) > 0", name="reason_required"),
     sa.Index("ix_review_actions_effect_id", "effect_id"),
+)
+
+approval_actions = sa.Table(
+    "approval_actions",
+    metadata,
+    # The audit of an approval-required operation's decision: who, when, why.
+    # A decision is final, so there is at most one per operation (the unique
+    # key is the second guard, after the compare-and-set on operations.approval).
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("operation_id", sa.String(255), nullable=False),
+    sa.Column("decision", _enum(states.ApprovalDecision, "decision"), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False, server_default=""),
+    sa.Column("status_before", sa.String(32), nullable=False),
+    sa.Column("status_after", sa.String(32), nullable=False),
+    sa.ForeignKeyConstraint(
+        ["tenant", "operation_id"],
+        ["operations.tenant", "operations.operation_id"],
+        name="fk_approval_actions_operation",
+        ondelete="CASCADE",
+    ),
+    sa.UniqueConstraint("tenant", "operation_id"),
+    sa.CheckConstraint("decision <> 'reject' OR length(reason) > 0", name="rejection_has_reason"),
 )
 
 tombstones = sa.Table(

@@ -28,7 +28,18 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 
 from outbox import app as apps
-from outbox import create, db, errors, metrics, retention, schema, settings, states, tools
+from outbox import (
+    approvals,
+    create,
+    db,
+    errors,
+    metrics,
+    retention,
+    schema,
+    settings,
+    states,
+    tools,
+)
 from outbox.create import ExecuteResult
 
 logger = logging.getLogger("outbox.create")
@@ -138,6 +149,7 @@ class Outbox:
                 if tomb is not None:
                     raise errors.OperationExpired(tenant, operation_id, same_arguments=True)
                 raise errors.OperationNotFound(tenant, operation_id)
+            approval = approvals.approval_view(conn, tenant, operation_id)
             effects = conn.execute(
                 sa.select(out)
                 .where(out.c.tenant == tenant, out.c.operation_id == operation_id)
@@ -152,6 +164,8 @@ class Outbox:
             "task_id": op.task_id,
             "created_at": op.created_at.isoformat(),
             "expires_at": op.expires_at.isoformat(),
+            # None unless the tool requires approval: then its status and decision.
+            "approval": approval,
             "effects": [effect_view(e) for e in effects],
         }
 
@@ -171,6 +185,39 @@ class Outbox:
             "created_at": row.created_at.isoformat(),
             "updated_at": row.updated_at.isoformat(),
         }
+
+    # --- approvals (operator actions; see outbox.approvals) -------------------
+
+    def list_approvals(
+        self,
+        tenant: str,
+        status: states.ApprovalStatus | str | None = states.ApprovalStatus.AWAITING_APPROVAL,
+        limit: int = approvals.LIST_LIMIT_DEFAULT,
+    ) -> list[dict[str, Any]]:
+        return approvals.list_approvals(self.engine, tenant=tenant, status=status, limit=limit)
+
+    def show_approval(self, tenant: str, operation_id: str) -> dict[str, Any]:
+        return approvals.show(self.engine, tenant=tenant, operation_id=operation_id)
+
+    def decide_approval(
+        self,
+        tenant: str,
+        operation_id: str,
+        decision: states.ApprovalDecision | str,
+        *,
+        actor: str,
+        reason: str = "",
+    ) -> approvals.Decided:
+        """Approve (release the held effects) or reject (fail them): once, audited."""
+        return approvals.decide(
+            self.engine,
+            tenant=tenant,
+            operation_id=operation_id,
+            decision=decision,
+            actor=actor,
+            reason=reason,
+            now=self.clock(),
+        )
 
     # --- tenants and tokens --------------------------------------------------
 

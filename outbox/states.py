@@ -15,6 +15,10 @@ from enum import StrEnum
 
 
 class EffectStatus(StrEnum):
+    # HELD: waiting for an operator's approval (the tool requires one). Not
+    # claimable: the claim takes pending rows only. Approval releases it to
+    # pending (same key); rejection fails it. Nothing was ever sent.
+    HELD = "held"
     # PENDING: waiting for next_attempt_at. effect_key is fixed. The dispatcher
     # claims it; the deadline sweep may fail it or mark it outcome_unknown.
     PENDING = "pending"
@@ -56,6 +60,22 @@ class Reason(StrEnum):
     OPERATOR_HAPPENED = "operator_happened"
     OPERATOR_REQUEUE = "operator_requeue"
     OPERATOR_ABANDON = "operator_abandon"
+    AWAITING_APPROVAL = "awaiting_approval"  # created held: the tool requires approval
+    APPROVED = "approved"  # an operator approved: released to the dispatcher
+    REJECTED = "rejected"  # an operator rejected: never sent
+
+
+class ApprovalStatus(StrEnum):
+    """Where an approval-required operation stands. Approved and rejected are final."""
+
+    AWAITING_APPROVAL = "awaiting_approval"  # its effects are held
+    APPROVED = "approved"  # its effects were released to the dispatcher
+    REJECTED = "rejected"  # its effects failed without being sent
+
+
+class ApprovalDecision(StrEnum):
+    APPROVE = "approve"
+    REJECT = "reject"
 
 
 class ReviewChoice(StrEnum):
@@ -100,6 +120,8 @@ S = EffectStatus
 TERMINAL: frozenset[EffectStatus] = frozenset({S.SUCCEEDED, S.FAILED})
 
 TRANSITIONS: Mapping[EffectStatus, frozenset[EffectStatus]] = {
+    # operator approves (released, same key) / operator rejects (never sent)
+    S.HELD: frozenset({S.PENDING, S.FAILED}),
     # claim
     S.PENDING: frozenset({S.IN_FLIGHT, S.FAILED, S.OUTCOME_UNKNOWN}),
     # 2xx, permanent, reschedule (same key), ambiguous without key support,

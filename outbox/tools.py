@@ -12,7 +12,7 @@ only the run that commits keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -97,6 +97,12 @@ class Tool:
     # The adapters this tool's effects may name; checked against the app's adapters at
     # start-up, so a typo fails there instead of at the first delivery.
     adapters: tuple[str, ...] = ()
+    # The tool's effects cannot be undone (a refund, a payment): surfaces say so
+    # (MCP's destructiveHint), so an agent host asks before it calls.
+    destructive: bool = False
+    # Each call waits for an operator: the receipt commits as awaiting_approval
+    # with its effects held, and nothing reaches a provider until approval.
+    requires_approval: bool = False
 
     def validate(self, arguments: Any) -> BaseModel:
         """Validate and normalise; raise ``InvalidArguments`` naming every bad field."""
@@ -107,10 +113,11 @@ class Tool:
         try:
             return self.arguments.model_validate(dict(arguments))
         except ValidationError as exc:
-            raise errors.InvalidArguments(_field_errors(exc)) from None
+            raise errors.InvalidArguments(field_errors(exc)) from None
 
 
-def _field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """A pydantic error as ``InvalidArguments.errors``: one ``{field, message, type}`` each."""
     out = []
     for err in exc.errors(include_url=False, include_input=False):
         loc = ".".join(str(part) for part in err["loc"])
@@ -139,6 +146,10 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._tools)
+
+    def __iter__(self) -> Iterator[Tool]:
+        """Every registered tool, by name."""
+        return iter([self._tools[name] for name in sorted(self._tools)])
 
     def __contains__(self, name: object) -> bool:
         return name in self._tools

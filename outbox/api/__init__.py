@@ -4,6 +4,10 @@
     from outbox.api import create_app
     app = create_app(Outbox())          # any ASGI server; `outbox serve` runs uvicorn
 
+Besides the tool routes and reads it serves ``/v1/approvals`` (operators'
+decisions on approval-required calls) and, unless ``mcp=False``, the MCP
+streamable HTTP endpoint at ``/mcp`` (``outbox.mcp_server``).
+
 Routes of packages above ``outbox`` (the review queue) are mounted from the
 ``outbox.routers`` entry point group, so ``outbox`` never imports them. Their
 errors render like ours: raise an ``OutboxError`` and ``problems`` answers.
@@ -22,7 +26,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from outbox import logs, metrics
-from outbox.api import limits, problems, routes
+from outbox.api import approvals, limits, problems, routes
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -36,6 +40,7 @@ def create_app(
     routers: Iterable[APIRouter] = (),
     load_entry_points: bool = True,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
+    mcp: bool = True,
 ) -> FastAPI:
     """An app serving ``box``. The caller owns ``box`` (and closes it)."""
     app = FastAPI(
@@ -58,6 +63,17 @@ def create_app(
         # The demo's shortcut, POST /v1/tasks, only where the demo's tool is served.
         app.include_router(routes.tasks_router)
     app.include_router(routes.router)
+    app.include_router(approvals.router)
+    if mcp:
+        from starlette.routing import Route
+
+        from outbox.mcp_server import HttpEndpoint
+
+        # MCP over streamable HTTP: the same tokens, tenants and service calls.
+        endpoint = HttpEndpoint(box, load_entry_points=load_entry_points)
+        app.router.routes.append(
+            Route("/mcp", endpoint=endpoint, methods=["GET", "POST", "DELETE"])
+        )
     if components:
         _add_components(app, components)
     for router in routers:

@@ -59,6 +59,17 @@ _WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# A tool that requires approval answers 202: recorded, its effects held for an operator.
+_TOOL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_WRITE_RESPONSES,
+    202: {
+        "description": "Recorded and awaiting an operator's approval (the tool requires "
+        "one); nothing is sent until it is approved. A replay answers 202 again.",
+        "content": {"application/json": {"schema": RECEIPT_SCHEMA}},
+    },
+}
+
+
 def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
     # The body is read by hand (bounded, exact error answers), so describe it here.
     return {
@@ -79,7 +90,7 @@ def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
     summary="Call a tool by name, idempotently on Idempotency-Key",
     description="Any tool of the app. Each one is also described by its own operation, "
     "`POST /v1/tools/<name>`, with its arguments' schema and an example.",
-    responses=_WRITE_RESPONSES,
+    responses=_TOOL_RESPONSES,
     openapi_extra=_write_openapi({"type": "object", "description": "The tool's arguments."}),
 )
 async def call_tool(tool: str, request: Request, principal: Caller, box: Box) -> Response:
@@ -119,7 +130,7 @@ def tool_routers(registry: tools.Registry) -> tuple[APIRouter, dict[str, Any]]:
             "Same key and arguments: the stored receipt again, byte for byte.",
             operation_id=f"call_tool_{name}",
             tags=["tools"],
-            responses=_WRITE_RESPONSES,
+            responses=_TOOL_RESPONSES if tool.requires_approval else _WRITE_RESPONSES,
             openapi_extra=extra,
         )
     return tool_router, components

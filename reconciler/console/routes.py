@@ -424,6 +424,67 @@ class Console:
             chart=pages.bar_chart(found.outcomes),
         )
 
+    # --- approvals -------------------------------------------------------------------
+
+    def approvals(
+        self, request: Request, *, status: int = 200, notice: str = "", problem: str = ""
+    ) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._to_sign_in(request)
+        try:
+            chosen = states.ApprovalStatus(request.query_params.get("status", "awaiting_approval"))
+        except ValueError:
+            chosen = states.ApprovalStatus.AWAITING_APPROVAL
+        items = _box(request).list_approvals(sign[1].tenant, status=chosen)
+        return self._page(
+            "approvals.html",
+            sign,
+            status,
+            title="Approvals",
+            nav="approvals",
+            items=items,
+            shown=chosen.value,
+            notice=notice,
+            problem=problem,
+        )
+
+    def decide(self, request: Request, form: FormData) -> Response:
+        """One POST acts: a decision is a compare-and-set and safe to repeat."""
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._page(
+                "message.html",
+                None,
+                401,
+                title="Signed out",
+                message="Your session ended, so nothing changed. Sign in and try again.",
+            )
+        if not self.signer.check_csrf(sign[0], form.get("csrf")):
+            return self._refused(sign)
+        operation_id = _text(form, "operation_id")
+        try:
+            decision = states.ApprovalDecision(_text(form, "decision"))
+            result = _box(request).decide_approval(
+                sign[1].tenant,
+                operation_id,
+                decision,
+                actor=sign[1].actor,
+                reason=_text(form, "reason"),
+            )
+        except ValueError:
+            return self.approvals(request, status=422, problem="Choose approve or reject.")
+        except errors.InvalidArguments as exc:
+            detail = "; ".join(e["message"] for e in exc.errors)
+            return self.approvals(request, status=422, problem=f"{operation_id}: {detail}.")
+        except (errors.ApprovalConflict, errors.NotFound) as exc:
+            return self.approvals(request, status=exc.status, problem=str(exc))
+        verb = "approved" if decision is states.ApprovalDecision.APPROVE else "rejected"
+        notice = (
+            f"{operation_id} {verb}." if result.changed else f"{operation_id} was already {verb}."
+        )
+        return _see_other(f"{PREFIX}/approvals?{urlencode({'notice': notice})}")
+
     # --- the router ----------------------------------------------------------------
 
     def router(self) -> APIRouter:
@@ -466,6 +527,15 @@ class Console:
         async def resolve(request: Request, effect_id: EffectId) -> Response:
             form = await request.form()
             return await run_in_threadpool(self.resolve, request, effect_id, form)
+
+        @router.get("/approvals")
+        def approvals(request: Request) -> Response:
+            return self.approvals(request, notice=request.query_params.get("notice", "")[:300])
+
+        @router.post("/approvals/decide")
+        async def decide(request: Request) -> Response:
+            form = await request.form()
+            return await run_in_threadpool(self.decide, request, form)
 
         @router.get("/static/{name}")
         def static(name: str) -> Response:

@@ -32,6 +32,7 @@ PostgreSQL paths of the same code are covered by the example tests beside this.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import shutil
@@ -64,7 +65,7 @@ from adapters import (
     Registry,
 )
 from adapters.testing import FakeAdapter
-from outbox import Outbox, db, errors, schema, states, store
+from outbox import Outbox, db, errors, schema, states, store, tools
 from outbox import settings as outbox_settings
 from outbox.dispatcher import Dispatcher
 from reconciler import review, sweeps
@@ -95,6 +96,8 @@ DELIVERIES = (
 )
 MAY_HAVE_SENT = {"ambiguous_happened", "ambiguous_nothing", "adapter_bug"}
 PROVIDER_ACTS = {"delivered", "ambiguous_happened"}
+# The bundled tool, asking for an operator's approval: its effect is created held.
+HELD_TOOL = dataclasses.replace(tools.SUPPORT_TASK, name="approve_first", requires_approval=True)
 SUCCEEDED_REASONS = {
     states.Reason.DELIVERED,
     states.Reason.LOOKUP_FOUND,
@@ -137,7 +140,15 @@ class EffectMachine(RuleBasedStateMachine):
             retry_budget_min_per_window=1_000_000,
         )
         engine = db.create_engine(self.config, url=f"sqlite:///{self.path}")
-        self.box = Outbox(engine=engine, config=self.config, clock=self.clock, check_schema=False)
+        registry = tools.default_registry()
+        registry.register(HELD_TOOL)
+        self.box = Outbox(
+            engine=engine,
+            config=self.config,
+            clock=self.clock,
+            registry=registry,
+            check_schema=False,
+        )
         self.box.create_tenant(TENANT)
         self.ops = itertools.count()
         self.actions = itertools.count()
@@ -150,6 +161,8 @@ class EffectMachine(RuleBasedStateMachine):
         self.created_at: dict[str, datetime] = {}
         self.blocked: set[str] = set()  # keys that must not be sent (ignoring provider)
         self.violations: list[str] = []
+        self.approval_ops: dict[str, int] = {}  # operation id -> its (one) effect
+        self.unsendable: set[str] = set()  # keys held or rejected: never to be sent
         self.delivery = "delivered"
         self.lookup_mode = "truthful"
         self.lock = threading.Lock()
@@ -177,6 +190,8 @@ class EffectMachine(RuleBasedStateMachine):
     def _deliver(self, request: DeliveryRequest) -> DeliveryResult:
         key, outcome = request.effect_key, self.delivery
         with self.lock:
+            if key in self.unsendable:
+                self.violations.append(f"sent {key}, which is held or was rejected")
             if key in self.blocked:
                 self.violations.append(f"sent {key} again after an ambiguous attempt")
             if outcome == "payload_error":
@@ -236,6 +251,46 @@ class EffectMachine(RuleBasedStateMachine):
         self.keys[r.id] = r.effect_key
         self.status[r.id] = S.PENDING
 
+    @precondition(lambda self: len(self.keys) < MAX_EFFECTS)
+    @rule()
+    def create_held(self) -> None:
+        """A call to a tool that requires approval: its effect is held."""
+        op = f"op-{next(self.ops)}"
+        self.box.execute(TENANT, op, HELD_TOOL.name, {"subject": op})
+        out = schema.outbox
+        with db.read(self.box.engine) as conn:
+            r = conn.execute(
+                sa.select(out.c.id, out.c.effect_key).where(out.c.operation_id == op)
+            ).one()
+        self.keys[r.id] = r.effect_key
+        self.status[r.id] = S.HELD
+        self.approval_ops[op] = r.id
+        with self.lock:
+            self.unsendable.add(r.effect_key)
+
+    @precondition(lambda self: self.approval_ops)
+    @rule(data=st.data(), decision=st.sampled_from(list(states.ApprovalDecision)))
+    def operator_decides(self, data: st.DataObject, decision: states.ApprovalDecision) -> None:
+        """An operator approves or rejects: fresh, repeated, or the other way (a conflict)."""
+        op = data.draw(st.sampled_from(sorted(self.approval_ops)), label="operation")
+        effect = self.approval_ops[op]
+        before = self._row(effect)
+        try:
+            result = self.box.decide_approval(TENANT, op, decision, actor="bob", reason="ok")
+        except errors.ApprovalConflict:
+            # Decided the other way already: nothing may have changed.
+            assert before.status != S.HELD
+            assert self._row(effect) == before
+            return
+        if not result.changed:
+            assert self._row(effect) == before
+            return
+        assert before.status == S.HELD
+        if decision is states.ApprovalDecision.APPROVE:
+            with self.lock:
+                self.unsendable.discard(self.keys[effect])
+        self._observe()
+
     @rule(outcome=st.sampled_from(DELIVERIES), later=LATER)
     def dispatch(self, outcome: str, later: int) -> None:
         self.delivery = outcome
@@ -254,6 +309,8 @@ class EffectMachine(RuleBasedStateMachine):
             for effect in claimed:
                 if effect.effect_key in self.blocked:
                     self.violations.append(f"claimed blocked {effect.effect_key} and sent it")
+                if effect.effect_key in self.unsendable:
+                    self.violations.append(f"claimed {effect.effect_key}, held or rejected")
                 if reached_provider:
                     self._act_at_provider(effect.effect_key)
                 self._may_have_sent(effect.effect_key)
@@ -347,6 +404,8 @@ class EffectMachine(RuleBasedStateMachine):
                 assert status is S.OUTCOME_UNKNOWN
             if status is S.OUTCOME_UNKNOWN:
                 assert r.maybe_sent, "unknown means a send may have happened"
+            if status is S.HELD:
+                assert r.attempts == 0 and not r.maybe_sent and r.lease_owner is None
             # The record agrees with the provider: "failed" means nothing happened
             # there, "succeeded" names what did.
             key = self.keys[r.id]
@@ -360,7 +419,8 @@ class EffectMachine(RuleBasedStateMachine):
             assert key == self.keys[effect_id]
         for call in self.adapter.calls:
             assert call.effect_key == self.keys[call.effect_id]
-        # Never resent after ambiguity without a lookup or a person saying so.
+        # Never resent after ambiguity without a lookup or a person saying so; and a
+        # held or rejected effect is never claimed or sent (``_deliver`` records it).
         assert self.violations == []
         # So no provider holds two tickets for one effect.
         assert all(count <= 1 for count in self.tickets.values()), self.tickets
@@ -391,3 +451,65 @@ def test_the_effect_state_machine(template: Path, caps: Capabilities) -> None:
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+# --- the approval edges, one test each ------------------------------------------------
+
+
+@pytest.fixture
+def held_box(tmp_path: Path, template: Path) -> Iterator[Outbox]:
+    path = tmp_path / "held.db"
+    shutil.copy(template, path)
+    registry = tools.default_registry()
+    registry.register(HELD_TOOL)
+    box = Outbox(f"sqlite:///{path}", registry=registry, clock=Clock())
+    box.create_tenant(TENANT)
+    box.execute(TENANT, "op-held", HELD_TOOL.name, {"subject": "wait"})
+    yield box
+    box.close()
+
+
+def _only(box: Outbox) -> Any:
+    with db.read(box.engine) as conn:
+        return conn.execute(sa.select(schema.outbox)).one()
+
+
+def test_created_held_when_the_tool_requires_approval_and_never_claimed(held_box: Outbox):
+    row = _only(held_box)
+    assert (row.status, row.reason) == (S.HELD, states.Reason.AWAITING_APPROVAL)
+    later = held_box.clock() + timedelta(days=30)
+    params = store.ClaimParams(owner="w", lease=LEASE, limit=10, now=later)
+    assert store.claim_due(held_box.engine, params).effects == []
+    assert _only(held_box).status == S.HELD
+
+
+def test_held_to_pending_when_approved(held_box: Outbox):
+    held_box.decide_approval(TENANT, "op-held", "approve", actor="alice")
+    row = _only(held_box)
+    assert S.PENDING in T[S.HELD]
+    assert (row.status, row.reason) == (S.PENDING, states.Reason.APPROVED)
+    params = store.ClaimParams(owner="w", lease=LEASE, limit=10, now=held_box.clock())
+    assert [e.id for e in store.claim_due(held_box.engine, params).effects] == [row.id]
+
+
+def test_held_to_failed_when_rejected(held_box: Outbox):
+    held_box.decide_approval(TENANT, "op-held", "reject", actor="alice", reason="no")
+    row = _only(held_box)
+    assert S.FAILED in T[S.HELD]
+    assert (row.status, row.reason) == (S.FAILED, states.Reason.REJECTED)
+    assert row.finished_at is not None and row.attempts == 0
+
+
+def test_no_other_edge_leaves_held():
+    assert T[S.HELD] == frozenset({S.PENDING, S.FAILED})
+    assert all(S.HELD not in T[s] for s in S)  # only a create makes a held effect
+    with pytest.raises(states.IllegalTransition):
+        states.check_transition(S.HELD, S.IN_FLIGHT)
+
+
+def test_the_database_refuses_a_held_row_that_was_attempted(held_box: Outbox):
+    with (
+        pytest.raises(sa.exc.IntegrityError, match="held_never_sent"),
+        db.write(held_box.engine) as conn,
+    ):
+        conn.execute(sa.update(schema.outbox).values(attempts=1))
