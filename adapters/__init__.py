@@ -22,6 +22,8 @@ from adapters.protocol import (
     Outcome,
 )
 from adapters.registry import Registry
+from adapters.webhooks import Event as WebhookEvent
+from adapters.webhooks import SignatureError, WebhookConfig
 
 __all__ = [
     "ADAPTERS_ENV",
@@ -39,7 +41,10 @@ __all__ = [
     "Outcome",
     "PayloadError",
     "Registry",
+    "SignatureError",
     "UnknownAdapter",
+    "WebhookConfig",
+    "WebhookEvent",
     "classify_exception",
     "classify_response",
     "load_registry",

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from adapters import helpdesk, testing
+from adapters import helpdesk, testing, webhooks
 from adapters.errors import ConfigError
 from adapters.http import HttpAdapter, HttpAdapterConfig
 from adapters.protocol import Adapter, Capabilities
@@ -66,6 +66,9 @@ _KEYS_BY_KIND: Mapping[str, frozenset[str]] = {
     "helpdesk": frozenset(_HTTP_KEYS | {"base_url"}),
     "noop": frozenset({"kind"}),
 }
+# --- webhooks: their own block; adapters/webhooks.py owns and reads these keys ---
+_KEYS_BY_KIND = {kind: keys | webhooks.KEYS for kind, keys in _KEYS_BY_KIND.items()}
+# --- end of webhooks ---
 _T = TypeVar("_T")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -123,6 +126,10 @@ def registry_from_document(
     try:
         for name, table in tables.items():
             registry.register(_build(name, table, env=env, transport=transport))
+            # --- webhooks (adapters/webhooks.py) ---
+            webhook = webhooks.from_table(name, table, os.environ if env is None else env)
+            if webhook is not None:
+                registry.webhooks[name] = webhook
     except BaseException:
         registry.close()  # do not leak the connection pools already made
         raise

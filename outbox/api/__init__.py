@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+import adapters
 from outbox import logs, metrics
-from outbox.api import limits, problems, routes
+from outbox.api import limits, problems, routes, webhooks
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -35,8 +36,13 @@ def create_app(
     routers: Iterable[APIRouter] = (),
     load_entry_points: bool = True,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
+    webhook_configs: Mapping[str, adapters.WebhookConfig] | None = None,
 ) -> FastAPI:
-    """An app serving ``box``. The caller owns ``box`` (and closes it)."""
+    """An app serving ``box``. The caller owns ``box`` (and closes it).
+
+    ``webhook_configs``: the adapters' webhook settings by name; None reads them
+    from the adapters file on the first event.
+    """
     app = FastAPI(
         title="Outbox",
         summary="Writes to the outside world that are safe to retry.",
@@ -51,6 +57,9 @@ def create_app(
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
     app.include_router(routes.router)
+    app.include_router(webhooks.router)
+    if webhook_configs is not None:
+        app.state.webhook_configs = dict(webhook_configs)
     for router in routers:
         app.include_router(router)
     if load_entry_points:
