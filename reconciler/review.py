@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 
-from outbox import db, errors, schema, settings, settle, states
+from outbox import db, errors, schema, settings, settle, states, webhooks
 
 S = states.EffectStatus
 Choice = states.ReviewChoice
@@ -162,6 +162,7 @@ def show(engine: Engine, effect_id: int, *, tenant: str | None = None) -> dict[s
         action_rows = conn.execute(
             sa.select(ra).where(ra.c.effect_id == effect_id).order_by(ra.c.at, ra.c.id)
         ).all()
+        webhook_events = webhooks.for_effect(conn, effect_id)
     item = _item(row)
     if row.status != S.OUTCOME_UNKNOWN:
         item["group"] = None
@@ -169,6 +170,9 @@ def show(engine: Engine, effect_id: int, *, tenant: str | None = None) -> dict[s
         {
             "payload": json.loads(row.payload),
             "finished_at": _iso(row.finished_at),
+            "settled_by": row.settled_by,
+            "ordering_key": row.ordering_key,
+            "webhooks": webhook_events,
             "operation": None
             if op is None
             else {

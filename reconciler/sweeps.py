@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 import adapters
-from outbox import db, policy, retention, schema, settle, states, store
+from outbox import db, policy, retention, schema, settle, states, store, webhooks
 from outbox import settings as outbox_settings
 
 logger = logging.getLogger("reconciler.sweeps")
@@ -504,6 +504,22 @@ def _last_activity(conn: Connection, effect_ids: Sequence[int]) -> dict[int, dat
     return out
 
 
+# --- webhooks ------------------------------------------------------------------
+
+
+class MatchWebhooks(_Base):
+    """Provider events kept because no effect matched them when they arrived: matched
+    (and applied, through the settle step) once their effect appears."""
+
+    name = "match_webhooks"
+
+    def run_once(self, now: datetime | None = None) -> int:
+        matched = webhooks.match_unmatched(self.engine, now=self._now(now))
+        if matched:
+            logger.info("webhooks: %s kept events found their effect", matched)
+        return matched
+
+
 # --- retention ------------------------------------------------------------------
 
 
@@ -543,6 +559,7 @@ def build(
         ExpireLeases(engine, registry, config, worker=worker, clock=clock),
         EnforceDeadlines(engine, config, worker=worker, clock=clock),
         RunLookups(engine, registry, config, worker=worker, clock=clock),
+        MatchWebhooks(engine, config, worker=worker, clock=clock),
         ApplyRetention(engine, config, worker=worker, clock=clock),
     ]
 
