@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
-from outbox import errors, settings
+from outbox import errors, groups_cli, settings
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="apply retention once (the reconciler does it on schedule)")
     p.set_defaults(handler=cmd_prune)
+
+    groups_cli.register(sub)
 
     for name, (module, function, register_name) in PROCESS_COMMANDS.items():
         p = sub.add_parser(name, help=PROCESS_HELP[name])

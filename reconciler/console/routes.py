@@ -30,13 +30,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.responses import RedirectResponse, Response
 
-from outbox import errors, states
+from outbox import errors, ordering, states
 from outbox import settings as outbox_settings
 from outbox.service import Outbox, Principal, hash_token
 from reconciler import review
 from reconciler.console import pages, queries, session
 
 PREFIX = "/console"
+BLOCKED_LABELS = {
+    ordering.BlockedBy.REVIEW.value: "its outcome is unknown and waits for a person",
+    ordering.BlockedBy.OUTCOME_UNKNOWN.value: "its outcome is unknown; a lookup or webhook may settle it",
+    ordering.BlockedBy.RETRY.value: "it waits for its next retry",
+    ordering.BlockedBy.IN_FLIGHT.value: "it is being delivered",
+    ordering.BlockedBy.QUEUED.value: "it is queued for its first attempt",
+}
 MAX_EFFECT_ID = 2**63 - 1
 EffectId = Annotated[int, Path(ge=1, le=MAX_EFFECT_ID)]
 Choice = states.ReviewChoice
@@ -424,6 +431,22 @@ class Console:
             chart=pages.bar_chart(found.outcomes),
         )
 
+    # --- ordering groups -------------------------------------------------------------
+
+    def groups(self, request: Request) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._to_sign_in(request)
+        box = _box(request)
+        return self._page(
+            "groups.html",
+            sign,
+            title="Ordering groups",
+            nav="groups",
+            groups=ordering.blocked_groups(box.engine, tenant=sign[1].tenant),
+            blocked_labels=BLOCKED_LABELS,
+        )
+
     # --- the router ----------------------------------------------------------------
 
     def router(self) -> APIRouter:
@@ -457,6 +480,10 @@ class Console:
         @router.get("/overview")
         def overview(request: Request) -> Response:
             return self.overview(request)
+
+        @router.get("/groups")
+        def groups(request: Request) -> Response:
+            return self.groups(request)
 
         @router.get("/items/{effect_id}")
         def item(request: Request, effect_id: EffectId) -> Response:
