@@ -352,6 +352,27 @@ bulk_actions = sa.Table(
     sa.Column("skipped", sa.Integer(), nullable=False, server_default="0"),
 )
 
+bulk_action_items = sa.Table(
+    "bulk_action_items",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("bulk_id", sa.String(100), nullable=False),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("action", sa.String(32), nullable=False),
+    # applied: the item changed; skipped: it was no longer as selected, nothing changed.
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("status_before", sa.String(32), nullable=False),
+    sa.Column("status_after", sa.String(32), nullable=False),
+    sa.Column("detail", sa.Text(), nullable=True),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    # One entry per item per bulk action: a repeat or a concurrent run cannot apply twice.
+    sa.UniqueConstraint("bulk_id", "effect_id"),
+    sa.Index("ix_bulk_action_items_effect_id", "effect_id"),
+)
+
 tombstones = sa.Table(
     "tombstones",
     metadata,

@@ -288,7 +288,7 @@ def resolve(
                 expected_attempts is not None and row.attempts != expected_attempts
             ):
                 raise _conflict(row, expected, expected_attempts)
-            status_after = _apply(
+            status_after = apply_choice(
                 conn, row, choice, provider_ref, at, effect_deadline, expected_attempts
             )
             if status_after is None:  # pragma: no cover - the row is locked / SQLite serialises
@@ -394,14 +394,14 @@ def _check_arguments(
     return reason
 
 
-def _apply(
+def apply_choice(
     conn: Connection,
     row: Any,
     choice: states.ReviewChoice,
     provider_ref: str | None,
     now: datetime,
     effect_deadline: timedelta,
-    expected_attempts: int | None,
+    expected_attempts: int | None = None,
 ) -> states.EffectStatus | None:
     """Write the operator's answer to ``row`` as read (compare-and-set); the state after,
     or None if the row moved on. Happened and abandon are the shared settle step."""

@@ -7,8 +7,8 @@
   settled an effect;
 - ``webhook_events``: every verified provider event, deduplicated on
   (adapter, event_id), with what it did;
-- ``bulk_actions``: one filtered operator action over many review items,
-  idempotent on its ``bulk_id``.
+- ``bulk_actions`` and ``bulk_action_items``: one filtered operator action
+  over many review items, idempotent on its ``bulk_id``, audited per item.
 
 Only columns are added to ``outbox`` (``ALTER TABLE ... ADD COLUMN`` on both
 backends), so the table is not rebuilt and its trigger stays.
@@ -117,9 +117,37 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_bulk_actions")),
         sa.UniqueConstraint("bulk_id", name=op.f("uq_bulk_actions_bulk_id")),
     )
+    op.create_table(
+        "bulk_action_items",
+        sa.Column("id", BigId, autoincrement=True, nullable=False),
+        sa.Column("bulk_id", sa.String(length=100), nullable=False),
+        sa.Column("effect_id", sa.BigInteger(), nullable=False),
+        sa.Column("action", sa.String(length=32), nullable=False),
+        sa.Column("outcome", sa.String(length=16), nullable=False),
+        sa.Column("status_before", sa.String(length=32), nullable=False),
+        sa.Column("status_after", sa.String(length=32), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=True),
+        sa.Column("actor", sa.String(length=200), nullable=False),
+        sa.Column("at", TS, nullable=False),
+        sa.ForeignKeyConstraint(
+            ["effect_id"],
+            ["outbox.id"],
+            name=op.f("fk_bulk_action_items_effect_id_outbox"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_bulk_action_items")),
+        sa.UniqueConstraint(
+            "bulk_id", "effect_id", name=op.f("uq_bulk_action_items_bulk_id_effect_id")
+        ),
+    )
+    op.create_index(
+        "ix_bulk_action_items_effect_id", "bulk_action_items", ["effect_id"], unique=False
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_bulk_action_items_effect_id", table_name="bulk_action_items")
+    op.drop_table("bulk_action_items")
     op.drop_table("bulk_actions")
     op.drop_index("ix_webhook_events_unmatched", table_name="webhook_events")
     op.drop_index("ix_webhook_events_effect_id", table_name="webhook_events")
