@@ -23,6 +23,8 @@ from adapters.protocol import (
     Outcome,
 )
 from adapters.registry import Registry
+from adapters.webhooks import Event as WebhookEvent
+from adapters.webhooks import SignatureError, WebhookConfig
 
 __all__ = [
     "ADAPTERS_ENV",
@@ -43,7 +45,10 @@ __all__ = [
     "PreparedRequest",
     "Preset",
     "Registry",
+    "SignatureError",
     "UnknownAdapter",
+    "WebhookConfig",
+    "WebhookEvent",
     "build_adapter",
     "classify_exception",
     "classify_response",

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import httpx
 
 from adapters import auth as auth_kinds
-from adapters import classify, helpdesk, presets, ratelimit, secrets, testing
+from adapters import classify, helpdesk, presets, ratelimit, secrets, testing, webhooks
 from adapters.errors import ConfigError
 from adapters.http import HttpAdapter, HttpAdapterConfig
 from adapters.protocol import Adapter, Capabilities
@@ -108,6 +108,9 @@ _KEYS_BY_KIND: Mapping[str, frozenset[str]] = {
     "helpdesk": frozenset(_HTTP_KEYS | {"base_url"}),
     "noop": frozenset({"kind"}),
 }
+# --- webhooks: their own block; adapters/webhooks.py owns and reads these keys ---
+_KEYS_BY_KIND = {kind: keys | webhooks.KEYS for kind, keys in _KEYS_BY_KIND.items()}
+# --- end of webhooks ---
 
 
 def all_keys() -> frozenset[str]:
@@ -219,6 +222,10 @@ def registry_from_document(
             registry.register(
                 build_adapter(name, table, env=env, transport=transport, base_dir=base_dir)
             )
+            # --- webhooks (adapters/webhooks.py) ---
+            webhook = webhooks.from_table(name, table, os.environ if env is None else env)
+            if webhook is not None:
+                registry.webhooks[name] = webhook
     except BaseException:
         registry.close()  # do not leak the connection pools already made
         raise

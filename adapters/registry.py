@@ -8,6 +8,7 @@ from typing import Self
 
 from adapters.errors import ConfigError, UnknownAdapter
 from adapters.protocol import Adapter
+from adapters.webhooks import WebhookConfig
 
 
 class Registry:
@@ -18,6 +19,8 @@ class Registry:
 
     def __init__(self, adapters: tuple[Adapter, ...] | list[Adapter] = ()) -> None:
         self._adapters: dict[str, Adapter] = {}
+        # Adapters whose provider sends signed webhooks (adapters.webhooks), by name.
+        self.webhooks: dict[str, WebhookConfig] = {}
         self._lock = threading.Lock()
         for adapter in adapters:
             self.register(adapter)

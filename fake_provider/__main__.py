@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import uvicorn
 
 from fake_provider import app as app_
-from fake_provider import config, faults
+from fake_provider import config, faults, webhooks
 
 HOST_DEFAULT = "127.0.0.1"
 PORT_DEFAULT = 9000
@@ -120,6 +121,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=config.RetryAfterFormat.SECONDS.value,
         help="spell Retry-After as delay-seconds or as an HTTP-date",
     )
+    hooks = serve.add_argument_group(
+        "webhooks", "signed ticket.created events, with faults (off without --webhook-url)"
+    )
+    hooks.add_argument("--webhook-url", default=None, help="POST each event here")
+    hooks.add_argument(
+        "--webhook-secret",
+        default=os.environ.get("FAKE_PROVIDER_WEBHOOK_SECRET"),
+        help="shared secret (default: $FAKE_PROVIDER_WEBHOOK_SECRET); standard: whsec_<base64>",
+    )
+    hooks.add_argument(
+        "--webhook-format",
+        choices=[f.value for f in webhooks.WebhookFormat],
+        default=webhooks.WebhookFormat.STANDARD.value,
+        help="standard: Standard Webhooks headers; stripe: Stripe-Signature t=...,v1=...",
+    )
+    hooks.add_argument("--webhook-delay-ms", type=int, default=0, help="wait before each send")
+    for fault, what in (
+        ("duplicate", "sent twice"),
+        ("reorder", "sent after the next event"),
+        ("drop", "never sent"),
+        ("bad-signature", "first try signed with a wrong secret"),
+    ):
+        hooks.add_argument(
+            f"--webhook-{fault}-rate",
+            type=float,
+            default=0.0,
+            metavar="P",
+            help=f"probability that an event is {what}",
+        )
     serve.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -204,6 +234,16 @@ def serve(args: argparse.Namespace) -> int:
             hold_seconds=args.hold_seconds,
             retry_after_seconds=args.retry_after,
             retry_after_format=config.RetryAfterFormat(args.retry_after_format),
+            webhooks=webhooks.WebhookConfig(
+                url=args.webhook_url,
+                secret=args.webhook_secret,
+                format=webhooks.WebhookFormat(args.webhook_format),
+                delay_ms=args.webhook_delay_ms,
+                duplicate_rate=args.webhook_duplicate_rate,
+                reorder_rate=args.webhook_reorder_rate,
+                drop_rate=args.webhook_drop_rate,
+                bad_signature_rate=args.webhook_bad_signature_rate,
+            ),
         )
         app = app_.create_app(cfg)
     except (faults.FaultSpecError, config.ConfigError) as exc:
@@ -232,6 +272,7 @@ def serve(args: argparse.Namespace) -> int:
         # finish (bounded above), then returns here.
         server.run()
     finally:
+        app.state.webhooks.close()
         app.state.ledger.close()
     return 0 if server.started else 1
 

@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,7 +39,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from fake_provider import config as config_
-from fake_provider import faults, ledger
+from fake_provider import faults, ledger, webhooks
 
 Clock = Callable[[], datetime]
 
@@ -78,13 +79,18 @@ def canonical_digest(data: object) -> str:
 
 
 def create_app(
-    config: config_.ProviderConfig | None = None, *, clock: Clock | None = None
+    config: config_.ProviderConfig | None = None,
+    *,
+    clock: Clock | None = None,
+    webhook_transport: Any = None,
 ) -> Starlette:
-    """Build a provider. ``app.state`` exposes ``ledger``, ``faults``, ``config`` and ``clock``.
+    """Build a provider. ``app.state`` exposes ``ledger``, ``faults``, ``webhooks``,
+    ``config`` and ``clock``.
 
     ``clock`` is injectable so that tests move time (lookup lag, key
     retention) instead of sleeping. The caller owns ``app.state.ledger`` and
-    closes it when done.
+    ``app.state.webhooks`` and closes them when done. ``webhook_transport``: an
+    ``httpx.BaseTransport`` for the outgoing webhooks (tests).
     """
     cfg = config or config_.ProviderConfig()
     cfg.validate()
@@ -92,7 +98,10 @@ def create_app(
     store = ledger.Ledger(cfg.db_path)
     plan = faults.FaultPlan(cfg.faults, seed=cfg.seed)
     initial_seed = plan.seed
-    handlers = _Handlers(cfg, store, plan, now, initial_seed)
+    sender = webhooks.Sender(
+        cfg.webhooks, clock=now, seed=initial_seed, transport=webhook_transport
+    )
+    handlers = _Handlers(cfg, store, plan, now, initial_seed, sender)
     app = Starlette(
         routes=[
             Route("/v1/tickets", handlers.create_ticket, methods=["POST"]),
@@ -104,11 +113,17 @@ def create_app(
             Route("/_admin/reset", handlers.reset, methods=["POST"]),
             Route("/_admin/faults", handlers.get_faults, methods=["GET"]),
             Route("/_admin/faults", handlers.set_faults, methods=["POST"]),
+            Route("/_admin/webhooks", handlers.webhook_stats, methods=["GET"]),
+            Route("/_admin/webhooks/redeliver", handlers.redeliver, methods=["POST"]),
+            Route("/_admin/webhooks/flush", handlers.flush, methods=["POST"]),
+            Route("/_admin/webhooks/pause", handlers.pause, methods=["POST"]),
+            Route("/_admin/webhooks/resume", handlers.resume, methods=["POST"]),
         ]
     )
     app.state.config = cfg
     app.state.ledger = store
     app.state.faults = plan
+    app.state.webhooks = sender
     app.state.clock = now
     return app
 
@@ -192,7 +207,9 @@ class _Handlers:
         plan: faults.FaultPlan,
         clock: Clock,
         initial_seed: int,
+        sender: webhooks.Sender,
     ) -> None:
+        self.sender = sender
         self.cfg = cfg
         self.store = store
         self.plan = plan
@@ -282,6 +299,8 @@ class _Handlers:
                 # retry would get 409 for a request that never happened.
                 self.store.release_key(key)
             raise
+        # The ticket has committed: announce it (whatever becomes of the reply).
+        self.sender.ticket_created(ticket.to_json(), key)
         response = Response(body, status_code=201, media_type="application/json")
         response.headers["Location"] = f"/v1/tickets/{ticket.id}"
         return response, ticket.id
@@ -377,6 +396,26 @@ class _Handlers:
         self.plan.replace(self.cfg.faults, seed=self.initial_seed)
         self.plan.reset_counts()
         return JSONResponse({"reset": True})
+
+    async def webhook_stats(self, request: Request) -> Response:
+        body = self.sender.stats()
+        body["events"] = len(self.sender.events())
+        return JSONResponse(body)
+
+    async def redeliver(self, request: Request) -> Response:
+        return JSONResponse({"redelivered": self.sender.redeliver()})
+
+    async def pause(self, request: Request) -> Response:
+        self.sender.pause()
+        return JSONResponse(self.sender.stats())
+
+    async def resume(self, request: Request) -> Response:
+        self.sender.resume()
+        return JSONResponse(self.sender.stats())
+
+    async def flush(self, request: Request) -> Response:
+        done = await anyio.to_thread.run_sync(self.sender.flush)
+        return JSONResponse({"flushed": done, **self.sender.stats()})
 
     async def get_faults(self, request: Request) -> Response:
         return JSONResponse(self.plan.snapshot())

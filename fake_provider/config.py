@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from fake_provider import faults
+from fake_provider import webhooks as webhooks_
 
 KEY_RETENTION_SECONDS_DEFAULT = 24 * 60 * 60.0
 HOLD_SECONDS_DEFAULT = 30.0
@@ -57,6 +58,8 @@ class ProviderConfig:
     hold_seconds: float = HOLD_SECONDS_DEFAULT  # for drop "hold" and timeout_before_commit
     retry_after_seconds: int = RETRY_AFTER_SECONDS_DEFAULT  # sent with 429 and 503
     retry_after_format: RetryAfterFormat = RetryAfterFormat.SECONDS
+    # Signed ticket.created events to a URL, with their own faults; url None: none sent.
+    webhooks: webhooks_.WebhookConfig = field(default_factory=webhooks_.WebhookConfig)
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("honour", "abort"): a string compared by identity
@@ -88,6 +91,10 @@ class ProviderConfig:
             raise ConfigError(
                 f"retry_after_seconds cannot be negative ({self.retry_after_seconds})"
             )
+        try:
+            self.webhooks.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         try:
             self.faults.validate()
         except faults.FaultSpecError as exc:

@@ -23,7 +23,7 @@ from importlib import metadata
 from typing import Any
 
 from outbox import app as apps
-from outbox import errors, settings
+from outbox import errors, groups_cli, settings
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -265,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     approvals_cli.register(sub)
     mcp_command.register(sub)
+
+    groups_cli.register(sub)
 
     for name, (module, function, register_name) in PROCESS_COMMANDS.items():
         p = sub.add_parser(name, help=PROCESS_HELP[name])

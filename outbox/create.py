@@ -528,6 +528,7 @@ def _record_and_effects(
             "maybe_sent": False,
             "next_attempt_at": created,
             "deadline_at": when(now + effect.deadline) if effect.deadline else default_deadline,
+            "ordering_key": _ordering_key(effect.ordering_key),
             "fence": 0,
             "needs_review": False,
             "lookup_attempts": 0,
@@ -537,6 +538,15 @@ def _record_and_effects(
         for effect in output.effects
     ]
     return receipt_json, record, effects
+
+
+ORDERING_KEY_MAX = 200
+
+
+def _ordering_key(value: str | None) -> str | None:
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= ORDERING_KEY_MAX):
+        raise ValueError(f"ordering_key: 1-{ORDERING_KEY_MAX} characters, or None")
+    return value
 
 
 _PENDING = states.EffectStatus.PENDING.value

@@ -155,6 +155,8 @@ operations = sa.Table(
 
 S = states.EffectStatus
 _TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(states.TERMINAL))
+ORDERING_OPEN_SQL = f"ordering_key IS NOT NULL AND status NOT IN ({_TERMINAL_SQL})"
+"""The rows of ``ix_outbox_ordering_open``: grouped effects that still hold their group."""
 
 outbox = sa.Table(
     "outbox",
@@ -188,6 +190,12 @@ outbox = sa.Table(
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
     sa.Column("finished_at", UTCDateTime(), nullable=True),
+    # Effects sharing (tenant, adapter, ordering_key) are delivered in creation (id)
+    # order: the claim skips one while an earlier effect of its group is not terminal.
+    sa.Column("ordering_key", sa.String(200), nullable=True),
+    # Which source of evidence settled the effect (lookup, webhook, operator);
+    # NULL when the dispatcher's own result did, or while it is not settled.
+    sa.Column("settled_by", _enum(states.SettleSource, "settled_by"), nullable=True),
     sa.ForeignKeyConstraint(
         ["tenant", "operation_id"],
         ["operations.tenant", "operations.operation_id"],
@@ -235,6 +243,16 @@ outbox = sa.Table(
         "next_lookup_at",
         sqlite_where=sa.text("status = 'outcome_unknown'"),
         postgresql_where=sa.text("status = 'outcome_unknown'"),
+    ),
+    # The claim's "earlier effect of my group still open?" probe: only live, grouped rows.
+    sa.Index(
+        "ix_outbox_ordering_open",
+        "tenant",
+        "adapter",
+        "ordering_key",
+        "id",
+        sqlite_where=sa.text(ORDERING_OPEN_SQL),
+        postgresql_where=sa.text(ORDERING_OPEN_SQL),
     ),
 )
 
@@ -319,6 +337,80 @@ approval_actions = sa.Table(
     ),
     sa.UniqueConstraint("tenant", "operation_id"),
     sa.CheckConstraint("decision <> 'reject' OR length(reason) > 0", name="rejection_has_reason"),
+)
+
+webhook_events = sa.Table(
+    "webhook_events",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("adapter", sa.String(100), nullable=False),
+    # The provider's event id: a second delivery of the same event is a duplicate.
+    sa.Column("event_id", sa.String(255), nullable=False),
+    sa.Column("event_type", sa.String(200), nullable=False),
+    # What the event says happened: succeeded, failed, or NULL (it settles nothing).
+    sa.Column("outcome", sa.String(32), nullable=True),
+    # How it names the effect: our key, the client reference we sent, or the provider's ref.
+    sa.Column("effect_key", sa.String(200), nullable=True),
+    sa.Column("provider_ref", sa.String(500), nullable=True),
+    sa.Column("tenant", sa.String(64), nullable=True),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=True
+    ),
+    sa.Column("disposition", _enum(states.WebhookDisposition, "disposition"), nullable=False),
+    sa.Column("detail", sa.Text(), nullable=True),
+    sa.Column("signed_at", UTCDateTime(), nullable=False),
+    sa.Column("received_at", UTCDateTime(), nullable=False),
+    sa.Column("processed_at", UTCDateTime(), nullable=True),
+    # The body exactly as received (it was signed): evidence.
+    sa.Column("body", sa.Text(), nullable=False),
+    sa.UniqueConstraint("adapter", "event_id"),
+    sa.Index("ix_webhook_events_effect_id", "effect_id"),
+    sa.Index(
+        "ix_webhook_events_unmatched",
+        "received_at",
+        sqlite_where=sa.text("disposition = 'unmatched'"),
+        postgresql_where=sa.text("disposition = 'unmatched'"),
+    ),
+)
+
+bulk_actions = sa.Table(
+    "bulk_actions",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    # Chosen by the caller: the same bulk id again replays the recorded action.
+    sa.Column("bulk_id", sa.String(100), nullable=False, unique=True),
+    sa.Column("tenant", sa.String(64), nullable=False),
+    sa.Column("action", sa.String(32), nullable=False),
+    # The filter as given (JSON) and the effect ids it selected (JSON list), frozen.
+    sa.Column("filter", sa.Text(), nullable=False),
+    sa.Column("effect_ids", sa.Text(), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    sa.Column("finished_at", UTCDateTime(), nullable=True),
+    sa.Column("applied", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("skipped", sa.Integer(), nullable=False, server_default="0"),
+)
+
+bulk_action_items = sa.Table(
+    "bulk_action_items",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("bulk_id", sa.String(100), nullable=False),
+    sa.Column(
+        "effect_id", sa.BigInteger(), sa.ForeignKey("outbox.id", ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("action", sa.String(32), nullable=False),
+    # applied: the item changed; skipped: it was no longer as selected, nothing changed.
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("status_before", sa.String(32), nullable=False),
+    sa.Column("status_after", sa.String(32), nullable=False),
+    sa.Column("detail", sa.Text(), nullable=True),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("at", UTCDateTime(), nullable=False),
+    # One entry per item per bulk action: a repeat or a concurrent run cannot apply twice.
+    sa.UniqueConstraint("bulk_id", "effect_id"),
+    sa.Index("ix_bulk_action_items_effect_id", "effect_id"),
 )
 
 tombstones = sa.Table(

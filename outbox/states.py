@@ -105,6 +105,24 @@ class LookupOutcome(StrEnum):
     ERROR = "error"
 
 
+class SettleSource(StrEnum):
+    """Which source of evidence settled an effect (``outbox.settle``)."""
+
+    LOOKUP = "lookup"
+    WEBHOOK = "webhook"
+    OPERATOR = "operator"
+
+
+class WebhookDisposition(StrEnum):
+    """What a received provider event did."""
+
+    UNMATCHED = "unmatched"  # no effect of ours matches it (yet): kept, matched later
+    SETTLED = "settled"  # it settled its effect to succeeded or failed
+    CONFIRMED = "confirmed"  # its effect had already ended as the event says
+    CONFLICT = "conflict"  # it contradicts a terminal effect: for a person to look at
+    IGNORED = "ignored"  # its type proves nothing (or it names no effect)
+
+
 class Role(StrEnum):
     AGENT = "agent"
     OPERATOR = "operator"
@@ -118,12 +136,14 @@ class TaskPriority(StrEnum):
 
 S = EffectStatus
 TERMINAL: frozenset[EffectStatus] = frozenset({S.SUCCEEDED, S.FAILED})
+SETTLEABLE: frozenset[EffectStatus] = frozenset({S.PENDING, S.IN_FLIGHT, S.OUTCOME_UNKNOWN})
+"""The states evidence (a lookup, a webhook, an operator) may settle from (``outbox.settle``)."""
 
 TRANSITIONS: Mapping[EffectStatus, frozenset[EffectStatus]] = {
     # operator approves (released, same key) / operator rejects (never sent)
     S.HELD: frozenset({S.PENDING, S.FAILED}),
-    # claim
-    S.PENDING: frozenset({S.IN_FLIGHT, S.FAILED, S.OUTCOME_UNKNOWN}),
+    # claim; past deadline; settled by evidence (a provider webhook) before it was sent again
+    S.PENDING: frozenset({S.IN_FLIGHT, S.FAILED, S.OUTCOME_UNKNOWN, S.SUCCEEDED}),
     # 2xx, permanent, reschedule (same key), ambiguous without key support,
     # lease expired (reconciler decides as above)
     S.IN_FLIGHT: frozenset({S.SUCCEEDED, S.FAILED, S.PENDING, S.OUTCOME_UNKNOWN}),

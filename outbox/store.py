@@ -181,6 +181,18 @@ def _check(decision: policy.Decision) -> None:
 
 # --- claim ----------------------------------------------------------------------
 
+# Ordering groups, in every claim statement below (the one place the rule lives): a
+# grouped row is claimable only when no earlier row of its (tenant, adapter,
+# ordering_key) is still open. An earlier one waiting on a retry, an unknown outcome
+# or review, or in flight, holds its group back, and no other group; a terminal one
+# (succeeded or failed) lets the next go. Ungrouped rows skip the probe (the OR
+# short-circuits), and the probe reads only ``ix_outbox_ordering_open``.
+_ORDERED = f"""(outbox.ordering_key IS NULL OR NOT EXISTS (
+    SELECT 1 FROM outbox AS earlier
+    WHERE earlier.{schema.ORDERING_OPEN_SQL.replace(" AND status", " AND earlier.status")}
+      AND earlier.tenant = outbox.tenant AND earlier.adapter = outbox.adapter
+      AND earlier.ordering_key = outbox.ordering_key AND earlier.id < outbox.id))"""
+
 
 def claim_due(
     engine: Engine,
@@ -306,7 +318,7 @@ WITH due AS (
     SELECT id, attempts = 0 AND deadline_at > now() AND adapter <> ALL(%(unsettled)s::varchar[])
         AS first
     FROM outbox
-    WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now()
+    WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now() AND {_ORDERED}
     ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE outbox AS o SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
@@ -387,14 +399,14 @@ class _Due(NamedTuple):
 # ``_select_due`` without held-back adapters, on the database's clock.
 _PG_DUE = f"""
 SELECT id, adapter, attempts, maybe_sent, deadline_at, now() AS db_now FROM outbox
-WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now()
+WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now() AND {_ORDERED}
 ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 """
 
 
 _SQLITE_DUE = f"""
 SELECT id, adapter, attempts, maybe_sent, deadline_at FROM outbox
-WHERE status = '{S.PENDING.value}' AND next_attempt_at <= ?
+WHERE status = '{S.PENDING.value}' AND next_attempt_at <= ? AND {_ORDERED}
 ORDER BY next_attempt_at, id LIMIT ?
 """
 
@@ -424,7 +436,7 @@ def _select_due(conn: Connection, params: ClaimParams) -> Sequence[Any]:
         _out.c.maybe_sent,
         _out.c.deadline_at,
         now_expr.label("db_now"),
-    ).where(_out.c.status == S.PENDING, _out.c.next_attempt_at <= now_expr)
+    ).where(_out.c.status == S.PENDING, _out.c.next_attempt_at <= now_expr, sa.text(_ORDERED))
     held_back: list[sa.ColumnElement[bool]] = []
     if params.paused_adapters:
         held_back.append(_out.c.adapter.in_(sorted(params.paused_adapters)))

@@ -32,6 +32,9 @@ class EffectSpec:
     adapter: str
     payload: Mapping[str, Any]
     deadline: timedelta | None = None  # None: the adapter's / the settings' default
+    # Effects sharing (tenant, adapter, ordering_key) are delivered one at a time, in
+    # creation order (an SQS FIFO message group). None: no order, full throughput.
+    ordering_key: str | None = None
 
 
 class RowWriter(Protocol):

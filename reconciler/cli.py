@@ -5,6 +5,10 @@
     outbox review show ID
     outbox review resolve ID --happened --provider-ref R --reason TEXT [--actor NAME]
     outbox review resolve ID --not-happened (--requeue | --abandon) --reason TEXT [--actor NAME]
+    outbox review bulk --tenant T [--adapter A] [--problem TYPE] [--older-than DURATION]
+        --action resolve|retry-lookup|abandon [--as happened|requeue] --reason TEXT
+        [--dry-run] [--bulk-id ID]
+    outbox review conflicts [--tenant T]
 
 ``resolve`` exits 0 when the action is recorded (or was already, under the
 same ``--action-id``), 3 when the item changed since it was looked at (nothing
@@ -19,13 +23,14 @@ import json
 import logging
 import threading
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import adapters
 from outbox import app as apps
-from outbox import errors, logs, metrics, settings
+from outbox import errors, logs, metrics, settings, webhooks
 from outbox.service import Outbox
-from reconciler import review, scheduler, sweeps
+from reconciler import bulk, review, scheduler, sweeps
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -94,6 +99,46 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="refuse if the effect has had more attempts since you looked",
     )
     p.set_defaults(handler=cmd_review_resolve)
+
+    p = r_sub.add_parser(
+        "bulk",
+        help="one action for every review item a filter selects",
+        description="Select outcome_unknown effects by filter and resolve, retry the lookup of, "
+        "or abandon all of them. Each item is compare-and-set and audited. Try --dry-run "
+        "first; repeat with the same --bulk-id to retry safely (a finished action is answered "
+        "as recorded, an interrupted one resumes).",
+    )
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--adapter")
+    p.add_argument(
+        "--problem", help="the items' reason, e.g. review_no_lookup or review_lookup_exhausted"
+    )
+    p.add_argument(
+        "--older-than", metavar="DURATION", help="in review for at least: 90s, 15m, 2h, 1d"
+    )
+    p.add_argument("--action", required=True, choices=[a.value for a in bulk.Action])
+    p.add_argument(
+        "--as",
+        dest="resolution",
+        choices=[r.value for r in bulk.Resolution],
+        help="with --action resolve: happened (succeeded) or requeue (deliver again, same key)",
+    )
+    p.add_argument("--reason", default=None, help="why: kept in every item's audit")
+    p.add_argument("--actor", default=None, help="who is acting (default: the login name)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="count what the filter selects; change nothing"
+    )
+    p.add_argument(
+        "--bulk-id", default=None, help="repeat with the same id to retry safely (default: new)"
+    )
+    p.set_defaults(handler=cmd_review_bulk)
+
+    p = r_sub.add_parser(
+        "conflicts", help="provider events that contradict a finished effect (nothing was changed)"
+    )
+    p.add_argument("--tenant")
+    p.add_argument("--limit", type=int, default=review.LIST_LIMIT_DEFAULT)
+    p.set_defaults(handler=cmd_review_conflicts)
 
 
 def _box(args: argparse.Namespace) -> Outbox:
@@ -231,6 +276,52 @@ def cmd_review_resolve(args: argparse.Namespace) -> int:
             effect_deadline=box.settings.effect_deadline,
         )
     print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def _duration(text: str | None) -> timedelta | None:
+    if text is None:
+        return None
+    value = settings.parse_duration(text)
+    if not isinstance(value, timedelta) or value < timedelta(0):
+        raise errors.InvalidArguments(
+            [{"field": "--older-than", "message": "a duration like 90s, 15m, 2h or 1d"}]
+        )
+    return value
+
+
+def cmd_review_bulk(args: argparse.Namespace) -> int:
+    where = bulk.Filter(
+        tenant=args.tenant,
+        adapter=args.adapter,
+        problem=args.problem,
+        older_than=_duration(args.older_than),
+    )
+    if not args.dry_run and not args.reason:
+        raise errors.InvalidArguments(
+            [{"field": "--reason", "message": "say why: it is kept in every item's audit"}]
+        )
+    with _box(args) as box:
+        result = bulk.run(
+            box.engine,
+            where,
+            action=args.action,
+            resolution=args.resolution,
+            reason=args.reason or "dry run",
+            actor=args.actor or _login(),
+            bulk_id=args.bulk_id or f"bulk_{uuid.uuid4().hex[:16]}",
+            dry_run=args.dry_run,
+            now=box.clock(),
+            effect_deadline=box.settings.effect_deadline,
+        )
+    print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_review_conflicts(args: argparse.Namespace) -> int:
+    with _box(args) as box:
+        found = webhooks.conflicts(box.engine, tenant=args.tenant, limit=args.limit)
+    print(json.dumps(found, indent=2, sort_keys=True))
     return 0
 
 

@@ -16,6 +16,7 @@ the tenant its token belongs to: another tenant's effect is "not found".
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
@@ -24,9 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from outbox import errors, states
+from outbox import settings as outbox_settings
 from outbox.api import auth, problems
 from outbox.service import Outbox, Principal
-from reconciler import review
+from reconciler import bulk, review
 
 MAX_EFFECT_ID = 2**63 - 1
 
@@ -66,8 +68,63 @@ def _action_id(request: Request, body: ResolveBody) -> str:
     return body.action_id or header or f"act_{uuid.uuid4().hex}"
 
 
+class BulkBody(BaseModel):
+    """One action for every review item of the caller's tenant that the filter selects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: bulk.Action
+    resolution: bulk.Resolution | None = None  # with resolve: happened or requeue
+    adapter: str | None = Field(default=None, max_length=100)
+    problem: str | None = Field(default=None, max_length=40)
+    older_than: str | None = Field(default=None, max_length=20, description="e.g. 15m, 2h, 1d")
+    reason: str = Field(default="dry run", min_length=1, max_length=review.REASON_MAX)
+    dry_run: bool = False
+    bulk_id: str | None = Field(default=None, min_length=1, max_length=bulk.BULK_ID_MAX)
+    actor: str | None = Field(default=None, min_length=1, max_length=100)
+
+
 def routers() -> list[APIRouter]:
     router = APIRouter(prefix="/v1/review", tags=["review"])
+
+    @router.post(
+        "/bulk",
+        summary="Resolve, retry the lookup of, or abandon every item a filter selects",
+        responses=problems.responses(401, 403, 409, 422),
+    )
+    async def bulk_review(
+        body: BulkBody, request: Request, principal: Operator, box: Box
+    ) -> JSONResponse:
+        older_than = None
+        if body.older_than is not None:
+            parsed = outbox_settings.parse_duration(body.older_than)
+            if not isinstance(parsed, timedelta):
+                raise errors.InvalidArguments(
+                    [{"field": "older_than", "message": "a duration like 90s, 15m, 2h or 1d"}]
+                )
+            older_than = parsed
+        bulk_id = body.bulk_id or request.headers.get("idempotency-key")
+        where = bulk.Filter(
+            principal.tenant, adapter=body.adapter, problem=body.problem, older_than=older_than
+        )
+        result = await run_in_threadpool(
+            lambda: bulk.run(
+                box.engine,
+                where,
+                action=body.action,
+                resolution=body.resolution,
+                reason=body.reason,
+                actor=_actor(principal, body.actor),
+                bulk_id=bulk_id or f"bulk_{uuid.uuid4().hex[:16]}",
+                dry_run=body.dry_run,
+                now=box.clock(),
+                effect_deadline=box.settings.effect_deadline,
+            )
+        )
+        return JSONResponse(
+            result.to_dict(),
+            headers={"Idempotent-Replayed": "true" if result.replayed else "false"},
+        )
 
     @router.get(
         "",

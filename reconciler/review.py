@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 
-from outbox import db, errors, schema, settings, states
+from outbox import db, errors, schema, settings, settle, states, webhooks
 
 S = states.EffectStatus
 Choice = states.ReviewChoice
@@ -162,6 +162,7 @@ def show(engine: Engine, effect_id: int, *, tenant: str | None = None) -> dict[s
         action_rows = conn.execute(
             sa.select(ra).where(ra.c.effect_id == effect_id).order_by(ra.c.at, ra.c.id)
         ).all()
+        webhook_events = webhooks.for_effect(conn, effect_id)
     item = _item(row)
     if row.status != S.OUTCOME_UNKNOWN:
         item["group"] = None
@@ -169,6 +170,9 @@ def show(engine: Engine, effect_id: int, *, tenant: str | None = None) -> dict[s
         {
             "payload": json.loads(row.payload),
             "finished_at": _iso(row.finished_at),
+            "settled_by": row.settled_by,
+            "ordering_key": row.ordering_key,
+            "webhooks": webhook_events,
             "operation": None
             if op is None
             else {
@@ -284,14 +288,10 @@ def resolve(
                 expected_attempts is not None and row.attempts != expected_attempts
             ):
                 raise _conflict(row, expected, expected_attempts)
-            values = _values(choice, provider_ref, at, effect_deadline)
-            states.check_transition(S(row.status), values["status"])
-            out = schema.outbox
-            guard = [out.c.id == effect_id, out.c.status == expected]
-            if expected_attempts is not None:
-                guard.append(out.c.attempts == expected_attempts)
-            result = conn.execute(sa.update(out).where(*guard).values(**values))
-            if result.rowcount != 1:  # pragma: no cover - the row is locked / SQLite serialises
+            status_after = apply_choice(
+                conn, row, choice, provider_ref, at, effect_deadline, expected_attempts
+            )
+            if status_after is None:  # pragma: no cover - the row is locked / SQLite serialises
                 raise _conflict(_effect(conn, effect_id, tenant), expected, expected_attempts)
             conn.execute(
                 sa.insert(schema.review_actions),
@@ -304,7 +304,7 @@ def resolve(
                     "reason": reason,
                     "provider_ref": provider_ref,
                     "status_before": row.status,
-                    "status_after": values["status"].value,
+                    "status_after": status_after.value,
                 },
             )
             return ActionResult(
@@ -317,7 +317,7 @@ def resolve(
                 reason=reason,
                 provider_ref=provider_ref,
                 status_before=row.status,
-                status_after=values["status"].value,
+                status_after=status_after.value,
             )
     except exc.IntegrityError:
         # PostgreSQL: the same action id committed by a concurrent call (perhaps
@@ -392,6 +392,50 @@ def _check_arguments(
     if problems:
         raise errors.InvalidArguments(problems, "invalid review action; nothing changed")
     return reason
+
+
+def apply_choice(
+    conn: Connection,
+    row: Any,
+    choice: states.ReviewChoice,
+    provider_ref: str | None,
+    now: datetime,
+    effect_deadline: timedelta,
+    expected_attempts: int | None = None,
+) -> states.EffectStatus | None:
+    """Write the operator's answer to ``row`` as read (compare-and-set); the state after,
+    or None if the row moved on. Happened and abandon are the shared settle step."""
+    out = schema.outbox
+    guard = [] if expected_attempts is None else [out.c.attempts == expected_attempts]
+    before = S(row.status)
+    if choice is not Choice.NOT_HAPPENED_REQUEUE:
+        happened = choice is Choice.HAPPENED
+        written = settle.settle(
+            conn,
+            settle.Settlement(
+                effect_id=row.id,
+                expected_status=before,
+                expected_fence=row.fence,
+                to=S.SUCCEEDED if happened else S.FAILED,
+                reason=states.Reason.OPERATOR_HAPPENED
+                if happened
+                else states.Reason.OPERATOR_ABANDON,
+                source=states.SettleSource.OPERATOR,
+                at=now,
+                provider_ref=provider_ref if happened else None,
+                maybe_sent=None if happened else False,
+            ),
+            guard=guard,
+        )
+        return (S.SUCCEEDED if happened else S.FAILED) if written else None
+    values = _values(choice, provider_ref, now, effect_deadline)
+    states.check_transition(before, values["status"])
+    result = conn.execute(
+        sa.update(out)
+        .where(out.c.id == row.id, out.c.status == before, out.c.fence == row.fence, *guard)
+        .values(**values)
+    )
+    return S(values["status"]) if result.rowcount == 1 else None
 
 
 def _values(

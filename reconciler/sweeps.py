@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 import adapters
-from outbox import db, policy, retention, schema, states, store
+from outbox import db, policy, retention, schema, settle, states, store, webhooks
 from outbox import settings as outbox_settings
 
 logger = logging.getLogger("reconciler.sweeps")
@@ -232,6 +232,7 @@ class _Claim:
     provider_ref: str | None
     tries: int  # lookup_attempts after our claim: the guard for applying the answer
     deadline_at: datetime
+    fence: int  # as read at the claim: the settle step compares it
 
 
 class RunLookups(_Base):
@@ -297,6 +298,7 @@ class RunLookups(_Base):
                         out.c.lookup_attempts,
                         out.c.next_lookup_at,
                         out.c.deadline_at,
+                        out.c.fence,
                     )
                     .where(
                         out.c.status == S.OUTCOME_UNKNOWN,
@@ -363,6 +365,7 @@ class RunLookups(_Base):
                             row.provider_ref,
                             tries,
                             row.deadline_at,
+                            row.fence,
                         )
                     )
         return claims, to_review
@@ -402,12 +405,30 @@ class RunLookups(_Base):
                     "error": error,
                 },
             )
-            values = self._decide(claim, outcome, answer, error, now)
-            result = conn.execute(sa.update(out).where(*guard).values(**values))
-        if result.rowcount:
-            logger.info(
-                "lookup of effect %s: %s -> %s", claim.effect_id, outcome.value, values["status"]
-            )
+            if outcome is states.LookupOutcome.FOUND:
+                assert answer is not None and answer.provider_ref
+                # Found: the one settle step, shared with webhooks and operators.
+                written = settle.settle(
+                    conn,
+                    settle.Settlement(
+                        effect_id=claim.effect_id,
+                        expected_status=S.OUTCOME_UNKNOWN,
+                        expected_fence=claim.fence,
+                        to=S.SUCCEEDED,
+                        reason=states.Reason.LOOKUP_FOUND,
+                        source=states.SettleSource.LOOKUP,
+                        at=now,
+                        provider_ref=answer.provider_ref,
+                    ),
+                    guard=guard[2:],
+                )
+                status: Any = S.SUCCEEDED
+            else:
+                values = self._decide(claim, outcome, answer, error, now)
+                written = bool(conn.execute(sa.update(out).where(*guard).values(**values)).rowcount)
+                status = values["status"]
+        if written:
+            logger.info("lookup of effect %s: %s -> %s", claim.effect_id, outcome.value, status)
         else:
             logger.info(
                 "effect %s changed during its lookup; answer kept as evidence only", claim.effect_id
@@ -422,16 +443,6 @@ class RunLookups(_Base):
         now: datetime,
     ) -> dict[str, Any]:
         base: dict[str, Any] = {"updated_at": now, "next_lookup_at": None}
-        if outcome is states.LookupOutcome.FOUND:
-            assert answer is not None and answer.provider_ref
-            states.check_transition(S.OUTCOME_UNKNOWN, S.SUCCEEDED)
-            return base | {
-                "status": S.SUCCEEDED,
-                "reason": states.Reason.LOOKUP_FOUND,
-                "provider_ref": answer.provider_ref,
-                "finished_at": now,
-                "last_error": None,
-            }
         if outcome is states.LookupOutcome.NOT_FOUND:
             decision = policy.after_lookup_not_found(now=now, deadline_at=claim.deadline_at)
             states.check_transition(S.OUTCOME_UNKNOWN, decision.status)
@@ -493,6 +504,22 @@ def _last_activity(conn: Connection, effect_ids: Sequence[int]) -> dict[int, dat
     return out
 
 
+# --- webhooks ------------------------------------------------------------------
+
+
+class MatchWebhooks(_Base):
+    """Provider events kept because no effect matched them when they arrived: matched
+    (and applied, through the settle step) once their effect appears."""
+
+    name = "match_webhooks"
+
+    def run_once(self, now: datetime | None = None) -> int:
+        matched = webhooks.match_unmatched(self.engine, now=self._now(now))
+        if matched:
+            logger.info("webhooks: %s kept events found their effect", matched)
+        return matched
+
+
 # --- retention ------------------------------------------------------------------
 
 
@@ -532,6 +559,7 @@ def build(
         ExpireLeases(engine, registry, config, worker=worker, clock=clock),
         EnforceDeadlines(engine, config, worker=worker, clock=clock),
         RunLookups(engine, registry, config, worker=worker, clock=clock),
+        MatchWebhooks(engine, config, worker=worker, clock=clock),
         ApplyRetention(engine, config, worker=worker, clock=clock),
     ]
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+import adapters
 from outbox import logs, metrics
-from outbox.api import approvals, limits, problems, routes
+from outbox.api import approvals, limits, problems, routes, webhooks
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -41,8 +42,13 @@ def create_app(
     load_entry_points: bool = True,
     max_body_bytes: int = limits.MAX_BODY_BYTES,
     mcp: bool = True,
+    webhook_configs: Mapping[str, adapters.WebhookConfig] | None = None,
 ) -> FastAPI:
-    """An app serving ``box``. The caller owns ``box`` (and closes it)."""
+    """An app serving ``box``. The caller owns ``box`` (and closes it).
+
+    ``webhook_configs``: the adapters' webhook settings by name; None reads them
+    from the adapters file on the first event.
+    """
     app = FastAPI(
         title="Outbox",
         summary="Writes to the outside world that are safe to retry.",
@@ -76,6 +82,9 @@ def create_app(
         )
     if components:
         _add_components(app, components)
+    app.include_router(webhooks.router)
+    if webhook_configs is not None:
+        app.state.webhook_configs = dict(webhook_configs)
     for router in routers:
         app.include_router(router)
     if load_entry_points:

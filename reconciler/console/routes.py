@@ -30,13 +30,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.responses import RedirectResponse, Response
 
-from outbox import errors, states
+from outbox import errors, ordering, states
 from outbox import settings as outbox_settings
 from outbox.service import Outbox, Principal, hash_token
-from reconciler import review
+from reconciler import bulk, review
 from reconciler.console import pages, queries, session
 
 PREFIX = "/console"
+BLOCKED_LABELS = {
+    ordering.BlockedBy.REVIEW.value: "its outcome is unknown and waits for a person",
+    ordering.BlockedBy.OUTCOME_UNKNOWN.value: "its outcome is unknown; a lookup or webhook may settle it",
+    ordering.BlockedBy.RETRY.value: "it waits for its next retry",
+    ordering.BlockedBy.IN_FLIGHT.value: "it is being delivered",
+    ordering.BlockedBy.QUEUED.value: "it is queued for its first attempt",
+}
 MAX_EFFECT_ID = 2**63 - 1
 EffectId = Annotated[int, Path(ge=1, le=MAX_EFFECT_ID)]
 Choice = states.ReviewChoice
@@ -485,6 +492,108 @@ class Console:
         )
         return _see_other(f"{PREFIX}/approvals?{urlencode({'notice': notice})}")
 
+    # --- ordering groups -------------------------------------------------------------
+
+    def groups(self, request: Request) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._to_sign_in(request)
+        box = _box(request)
+        return self._page(
+            "groups.html",
+            sign,
+            title="Ordering groups",
+            nav="groups",
+            groups=ordering.blocked_groups(box.engine, tenant=sign[1].tenant),
+            blocked_labels=BLOCKED_LABELS,
+        )
+
+    # --- bulk actions ----------------------------------------------------------------
+
+    def bulk_page(self, request: Request, form: FormData | None = None) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            if form is None:
+                return self._to_sign_in(request)
+            return self._page(
+                "message.html",
+                None,
+                401,
+                title="Signed out",
+                message="Your session ended, so nothing changed. Sign in and try again.",
+            )
+        me = sign[1]
+        box = _box(request)
+        values = {
+            k: (_text(form, k) if form is not None else request.query_params.get(k, "")).strip()
+            for k in (
+                "adapter",
+                "problem",
+                "older_than",
+                "action",
+                "resolution",
+                "reason",
+                "bulk_id",
+                "step",
+            )
+        }
+        ctx: dict[str, Any] = {
+            "form": values,
+            "problems": {},
+            "preview": None,
+            "result": None,
+            "actions": [a.value for a in bulk.Action],
+            "resolutions": [r.value for r in bulk.Resolution],
+        }
+        if form is None:
+            return self._page("bulk.html", sign, title="Bulk action", nav="bulk", **ctx)
+        if not self.signer.check_csrf(sign[0], form.get("csrf")):
+            return self._refused(sign)
+        older_than = None
+        if values["older_than"]:
+            parsed = outbox_settings.parse_duration(values["older_than"])
+            if isinstance(parsed, timedelta):
+                older_than = parsed
+            else:
+                ctx["problems"]["older_than"] = "Write an age like 90s, 15m, 2h or 1d."
+        if values["action"] not in ctx["actions"]:
+            ctx["problems"]["action"] = "Choose resolve, retry-lookup or abandon."
+        if ctx["problems"]:
+            return self._page("bulk.html", sign, 422, title="Bulk action", nav="bulk", **ctx)
+        where = bulk.Filter(
+            me.tenant,
+            adapter=values["adapter"] or None,
+            problem=values["problem"] or None,
+            older_than=older_than,
+        )
+        apply = values["step"] == "apply"
+        try:
+            result = bulk.run(
+                box.engine,
+                where,
+                action=values["action"],
+                resolution=values["resolution"] or None,
+                reason=values["reason"] or ("dry run" if not apply else ""),
+                actor=me.actor,
+                bulk_id=values["bulk_id"] or f"bulk_{uuid.uuid4().hex[:16]}",
+                dry_run=not apply,
+                now=box.clock(),
+                effect_deadline=box.settings.effect_deadline,
+            )
+        except errors.InvalidArguments as exc:
+            ctx["problems"] = {e["field"]: e["message"] for e in exc.errors}
+            return self._page("bulk.html", sign, 422, title="Bulk action", nav="bulk", **ctx)
+        except errors.ReviewConflict as exc:
+            ctx["problems"] = {"bulk_id": exc.detail}
+            return self._page("bulk.html", sign, 409, title="Bulk action", nav="bulk", **ctx)
+        if apply:
+            ctx["result"] = result
+        else:
+            # The id the apply step will use: a double submit repeats, never doubles.
+            values["bulk_id"] = values["bulk_id"] or f"bulk_{uuid.uuid4().hex[:16]}"
+            ctx["preview"] = result
+        return self._page("bulk.html", sign, title="Bulk action", nav="bulk", **ctx)
+
     # --- the router ----------------------------------------------------------------
 
     def router(self) -> APIRouter:
@@ -518,6 +627,19 @@ class Console:
         @router.get("/overview")
         def overview(request: Request) -> Response:
             return self.overview(request)
+
+        @router.get("/groups")
+        def groups(request: Request) -> Response:
+            return self.groups(request)
+
+        @router.get("/bulk")
+        def bulk_page(request: Request) -> Response:
+            return self.bulk_page(request)
+
+        @router.post("/bulk")
+        async def bulk_post(request: Request) -> Response:
+            form = await request.form()
+            return await run_in_threadpool(self.bulk_page, request, form)
 
         @router.get("/items/{effect_id}")
         def item(request: Request, effect_id: EffectId) -> Response:

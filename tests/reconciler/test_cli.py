@@ -130,6 +130,7 @@ def test_reconciler_once_runs_every_sweep_and_says_what_it_did(
         "expire_leases: 0",
         "enforce_deadlines: 1",
         "run_lookups: 0",
+        "match_webhooks: 0",
         "apply_retention: 1",
     ]
     with pytest.raises(errors.OperationExpired):
@@ -141,6 +142,8 @@ def test_reconciler_once_runs_every_sweep_and_says_what_it_did(
         "enforce_deadlines:",
         "0",
         "run_lookups:",
+        "0",
+        "match_webhooks:",
         "0",
         "apply_retention:",
         "0",

@@ -70,5 +70,6 @@ def test_jobs_use_the_configured_intervals(box: Outbox) -> None:
         "expire_leases": config.sweep_interval,
         "enforce_deadlines": config.sweep_interval,
         "run_lookups": config.sweep_interval,
+        "match_webhooks": config.sweep_interval,
         "apply_retention": config.retention_interval,
     }
