@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from outbox import errors, states
-from outbox.api import auth, problems
+from outbox.api import auth, keys, problems
 from outbox.service import Outbox, Principal
 from reconciler import review
 
@@ -56,7 +56,7 @@ def _actor(principal: Principal, named: str | None) -> str:
 
 
 def _action_id(request: Request, body: ResolveBody) -> str:
-    header = request.headers.get("idempotency-key")
+    header = keys.optional(request)
     if body.action_id and header and body.action_id != header:
         raise errors.InvalidArguments(
             [{"field": "action_id", "message": "differs from the Idempotency-Key header"}]
@@ -97,7 +97,11 @@ def routers() -> list[APIRouter]:
     @router.post(
         "/{effect_id}/resolve",
         summary="Resolve an unknown outcome: happened, or not (requeue or abandon)",
-        responses=problems.responses(401, 403, 404, 409, 422),
+        responses={
+            200: {"description": "The action's result.", "headers": problems.REPLAYED_HEADER},
+            **problems.responses(401, 403, 404, 409, 422),
+        },
+        openapi_extra={"parameters": [keys.parameter(required=False)]},
     )
     async def resolve_review(
         effect_id: EffectId,

@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from outbox import logs, metrics
-from outbox.api import limits, problems, routes
+from outbox.api import limits, openapi, problems, routes
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -51,6 +51,8 @@ def create_app(
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
     app.include_router(routes.router)
+    app.include_router(problems.router)
+    openapi.install(app)
     for router in routers:
         app.include_router(router)
     if load_entry_points:
