@@ -6,12 +6,15 @@ The HTTP layer only: SQLite (the contract suite covers both databases).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from outbox.api import create_app, keys, problems
+from outbox.client import AsyncClient, Outcome, Result, Retry
 from outbox.service import Outbox
 from tests.api.conftest import PROBLEM, Http, Tokens, asgi_http, assert_problem, written
 
@@ -195,3 +198,36 @@ def test_the_answers_carry_the_headers_the_document_promises(asgi: Http, tokens:
     assert created.status_code == 201
     assert created.headers["Location"] == "/v1/operations/k-1"
     assert created.headers["Idempotent-Replayed"] == "false"
+
+
+# --- the client against the app ----------------------------------------------------------
+
+
+def test_the_async_client_writes_replays_and_reads_through_the_app(
+    box: Outbox, tokens: Tokens
+) -> None:
+    app = create_app(box)
+
+    async def main() -> list[Result]:
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://testserver", tokens.acme, transport=transport) as c:
+            first = await c.create_task("order-4711", TASK)
+            again = await c.create_task("order-4711", TASK, deadline=5)
+            assert first.data is not None
+            return [
+                first,
+                again,
+                await c.get_operation("order-4711"),
+                await c.get_task(int(first.data["task_id"])),
+                await c.get_operation("never-made"),
+                await c.create_task("order-4711", {**TASK, "subject": "Other"}),
+            ]
+
+    first, again, operation, task, missing, reused = asyncio.run(main())
+    assert (first.outcome, again.outcome) == (Outcome.CREATED, Outcome.REPLAYED)
+    assert again.body == first.body
+    assert operation.outcome is task.outcome is Outcome.FOUND
+    assert operation.data is not None and operation.data["receipt"] == first.receipt
+    assert (missing.outcome, missing.problem_type) == (Outcome.REJECTED, "/problems/not-found")
+    assert (reused.problem_slug, reused.retry) == ("idempotency-key-reused", Retry.NEVER)
+    assert written(box) == {"tasks": 1, "operations": 1, "outbox": 1}
