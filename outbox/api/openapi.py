@@ -157,7 +157,7 @@ def render_docs(schema: dict[str, Any]) -> str:
                 continue
             out.append(
                 f"<section><h2><code>{method.upper()} {html.escape(path)}</code></h2>"
-                f"<p>{html.escape(str(operation.get('summary', '')))}"
+                f"<p>{problems.inline_html(str(operation.get('summary', '')))}"
                 f"{' (bearer token)' if operation.get('security') else ''}</p>"
             )
             params = operation.get("parameters", [])
@@ -166,7 +166,7 @@ def render_docs(schema: dict[str, Any]) -> str:
                 out.extend(
                     f"<li><code>{html.escape(str(p.get('name')))}</code> in {p.get('in')}"
                     f"{', required' if p.get('required') else ''}"
-                    f"{': ' + html.escape(str(p['description'])) if p.get('description') else ''}"
+                    f"{': ' + problems.inline_html(str(p['description'])) if p.get('description') else ''}"
                     "</li>"
                     for p in params
                 )
@@ -177,7 +177,7 @@ def render_docs(schema: dict[str, Any]) -> str:
                 heads = ", ".join(answer.get("headers", {}))
                 out.append(
                     f"<tr><td>{html.escape(code)}</td>"
-                    f"<td>{html.escape(str(answer.get('description', '')))}"
+                    f"<td>{problems.inline_html(str(answer.get('description', '')))}"
                     f"{' (headers: ' + html.escape(heads) + ')' if heads else ''}</td>"
                     f"<td><code>{html.escape(media)}</code></td></tr>"
                 )

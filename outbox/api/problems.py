@@ -401,7 +401,7 @@ code{{background:#f3f3f3;padding:0 .2em}}dt{{font-weight:600}}</style></head>
 """
 
 
-def _inline(text: str) -> str:
+def inline_html(text: str) -> str:
     """Escape, then turn `code` spans into <code> (the only markup the texts use)."""
     parts = html.escape(text, quote=False).split("`")
     return "".join(f"<code>{part}</code>" if i % 2 else part for i, part in enumerate(parts))
@@ -427,7 +427,7 @@ def problem_index() -> HTMLResponse:
         for p in catalogue().values()
     )
     advice = "".join(
-        f"<dt><code>{value}</code></dt><dd>{_inline(text)}</dd>"
+        f"<dt><code>{value}</code></dt><dd>{inline_html(text)}</dd>"
         for value, text in RETRY_ADVICE.items()
     )
     return _page(
@@ -456,7 +456,7 @@ def problem_page(slug: str) -> HTMLResponse:
         f"<h1>{html.escape(problem.title)}</h1>"
         f"<p><code>type: {html.escape(problem.uri)}</code> · status {problem.status} · "
         f"<code>retry: {problem.retry}</code></p>"
-        f"<p>{_inline(problem.description)}</p>"
-        f"<p><strong>What to do:</strong> {_inline(RETRY_ADVICE[problem.retry])}</p>"
+        f"<p>{inline_html(problem.description)}</p>"
+        f"<p><strong>What to do:</strong> {inline_html(RETRY_ADVICE[problem.retry])}</p>"
         '<p><a href="/problems">Every problem type</a> · <a href="/docs">API reference</a></p>',
     )
