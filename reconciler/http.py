@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from outbox import errors, states
 from outbox import settings as outbox_settings
-from outbox.api import auth, problems
+from outbox.api import auth, keys, problems
 from outbox.service import Outbox, Principal
 from reconciler import bulk, review
 
@@ -58,7 +58,7 @@ def _actor(principal: Principal, named: str | None) -> str:
 
 
 def _action_id(request: Request, body: ResolveBody) -> str:
-    header = request.headers.get("idempotency-key")
+    header = keys.optional(request)
     if body.action_id and header and body.action_id != header:
         raise errors.InvalidArguments(
             [{"field": "action_id", "message": "differs from the Idempotency-Key header"}]
@@ -154,7 +154,11 @@ def routers() -> list[APIRouter]:
     @router.post(
         "/{effect_id}/resolve",
         summary="Resolve an unknown outcome: happened, or not (requeue or abandon)",
-        responses=problems.responses(401, 403, 404, 409, 422),
+        responses={
+            200: {"description": "The action's result.", "headers": problems.REPLAYED_HEADER},
+            **problems.responses(401, 403, 404, 409, 422),
+        },
+        openapi_extra={"parameters": [keys.parameter(required=False)]},
     )
     async def resolve_review(
         effect_id: EffectId,

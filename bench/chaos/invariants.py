@@ -154,7 +154,7 @@ def _check_calls(ev: Evidence, figures: dict[str, Any], out: list[Violation]) ->
                 continue
             if result.outcome is Outcome.UNAVAILABLE:
                 continue  # no answer at all: nothing to hold against the service
-            if result.status_code == 422 and result.problem_type == "idempotency-key-reused":
+            if result.status_code == 422 and result.problem_slug == "idempotency-key-reused":
                 conflicts_answered += 1
             else:
                 conflicts.rows.append({"key": record.key, "answer": _answer(kind, result)})

@@ -27,7 +27,7 @@ from fastapi import APIRouter, FastAPI
 
 import adapters
 from outbox import logs, metrics
-from outbox.api import approvals, limits, problems, routes, webhooks
+from outbox.api import approvals, limits, openapi, problems, routes, webhooks
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -85,6 +85,8 @@ def create_app(
     app.include_router(webhooks.router)
     if webhook_configs is not None:
         app.state.webhook_configs = dict(webhook_configs)
+    app.include_router(problems.router)
+    openapi.install(app)
     for router in routers:
         app.include_router(router)
     if load_entry_points:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from outbox import app as apps
 from outbox import create, db, errors, metrics, tools
-from outbox.api import auth, problems
+from outbox.api import auth, keys, problems
 from outbox.create import ExecuteResult
 from outbox.service import Outbox, Principal
 
@@ -42,18 +42,18 @@ RECEIPT_SCHEMA: dict[str, Any] = {
     "description": "The tool's receipt, exactly as stored at creation.",
     "additionalProperties": True,
 }
-_IDEMPOTENCY_KEY_PARAMETER = {
-    "name": "Idempotency-Key",
-    "in": "header",
-    "required": True,
-    "description": "The operation id: 1-255 visible ASCII characters, chosen by the caller "
-    "and reused, unchanged, for every retry of one intent.",
-    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
-}
 _WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
     201: {
         "description": "Created; or a replay of it (header `Idempotent-Replayed: true`).",
         "content": {"application/json": {"schema": RECEIPT_SCHEMA}},
+        "headers": {
+            **problems.REPLAYED_HEADER,
+            "Location": {
+                "description": "The operation's current state: `GET /v1/operations/{id}`.",
+                "required": True,
+                "schema": {"type": "string"},
+            },
+        },
     },
     **problems.responses(400, 401, 404, 410, 413, 415, 422, 503),
 }
@@ -73,7 +73,7 @@ _TOOL_RESPONSES: dict[int | str, dict[str, Any]] = {
 def _write_openapi(arguments_schema: dict[str, Any]) -> dict[str, Any]:
     # The body is read by hand (bounded, exact error answers), so describe it here.
     return {
-        "parameters": [_IDEMPOTENCY_KEY_PARAMETER],
+        "parameters": [keys.parameter(required=True)],
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": arguments_schema}},
@@ -156,7 +156,7 @@ async def create_task(request: Request, principal: Caller, box: Box) -> Response
 
 async def _execute(request: Request, principal: Principal, box: Outbox, tool: str) -> Response:
     try:
-        operation_id = idempotency_key(request)
+        operation_id = keys.from_request(request)
         box.tools.get(tool)  # UnknownTool (404) before the body is read
         require_json(request)
         arguments = parse_json(await request.body())
@@ -168,18 +168,6 @@ async def _execute(request: Request, principal: Principal, box: Outbox, tool: st
     # The create path is synchronous database work: keep it off the event loop.
     result = await run_in_threadpool(box.execute, principal.tenant, operation_id, tool, arguments)
     return receipt_response(result)
-
-
-def idempotency_key(request: Request) -> str:
-    values = request.headers.getlist("idempotency-key")
-    if not values:
-        raise errors.InvalidOperationId(
-            "the Idempotency-Key header is required: choose an operation id for this intent "
-            "and send the same one with every retry"
-        )
-    if len(values) > 1:
-        raise errors.InvalidOperationId("send exactly one Idempotency-Key header")
-    return create.validate_operation_id(values[0])
 
 
 def require_json(request: Request) -> None:

@@ -138,13 +138,15 @@ def written(box: Outbox) -> dict[str, int]:
 def assert_problem(
     response: httpx.Response, status: int, kind: str | None = None, retry: str | None = None
 ) -> dict[str, Any]:
+    """The answer is a problem document of this status (and slug, and retry advice)."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == PROBLEM
     doc: dict[str, Any] = response.json()
     assert {"type", "title", "status", "detail", "retry"} <= doc.keys()
     assert doc["status"] == status
     if kind is not None:
-        assert doc["type"] == kind, doc
+        # ``type`` is a URI reference to the server's page about the problem.
+        assert doc["type"] == f"/problems/{kind}", doc
     if retry is not None:
         assert doc["retry"] == retry, doc
     return doc

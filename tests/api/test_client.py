@@ -1,8 +1,12 @@
-"""``outbox.client.Client`` against scripted answers (respx): what it retries, and with which key."""
+"""``outbox.client`` against scripted answers (respx): what it retries, with which key, and the
+one ``Result`` shape of every call, blocking and async, reads and writes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -12,7 +16,7 @@ import httpx
 import pytest
 import respx
 
-from outbox.client import Client, Outcome, Retry
+from outbox.client import AsyncClient, Client, Outcome, Result, Retry
 
 BASE = "http://127.0.0.1:8000"
 RECEIPT = b'{"operation_id":"op-1","status":"created","task_id":7}'
@@ -70,7 +74,7 @@ def created(replayed: bool = False) -> httpx.Response:
 
 def problem(status: int, kind: str, retry: str, **headers: str) -> httpx.Response:
     doc: dict[str, Any] = {
-        "type": kind,
+        "type": f"/problems/{kind}",
         "title": kind,
         "status": status,
         "detail": kind,
@@ -169,7 +173,7 @@ def test_never_after_fix_and_reconcile_are_not_retried(
     assert time.pauses == []
     if answer.headers.get("content-type") == "application/problem+json":
         assert result.problem_type == answer.json()["type"]
-    if result.problem_type == "invalid-arguments":
+    if result.problem_slug == "invalid-arguments":
         assert result.errors[0]["field"] == "subject"
 
 
@@ -233,3 +237,177 @@ def test_the_client_never_invents_an_operation_id(mock: respx.MockRouter, time: 
             assert result.retry is Retry.AFTER_FIX
             assert result.attempts == 0
     assert route.call_count == 0
+
+
+# --- one shape for reads and writes ---------------------------------------------------
+
+OPERATION = {"operation_id": "op-1", "receipt": {"task_id": 7}, "effects": []}
+
+
+def found() -> httpx.Response:
+    return httpx.Response(200, json=OPERATION)
+
+
+def test_a_read_answers_a_result_like_a_write_and_is_retried_the_same_way(
+    mock: respx.MockRouter, time: FakeTime
+) -> None:
+    route = mock.get("/v1/operations/op-1").mock(
+        side_effect=[httpx.ConnectError("refused"), problem(503, "busy", "same_key"), found()]
+    )
+    with client(time) as c:
+        result = c.get_operation("op-1")
+    assert result.outcome is Outcome.FOUND
+    assert result.ok and result.retry is None
+    assert result.data == OPERATION
+    assert result.receipt is None  # a read has data, not a receipt
+    assert (result.attempts, route.call_count, len(time.pauses)) == (3, 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome", "retry"),
+    [
+        (problem(404, "not-found", "never"), Outcome.REJECTED, Retry.NEVER),
+        (problem(410, "operation-expired", "reconcile"), Outcome.EXPIRED, Retry.RECONCILE),
+        (problem(401, "unauthenticated", "after_fix"), Outcome.REJECTED, Retry.AFTER_FIX),
+    ],
+    ids=["404", "410", "401"],
+)
+def test_a_read_that_cannot_succeed_is_a_result_not_an_exception(
+    mock: respx.MockRouter, time: FakeTime, answer: httpx.Response, outcome: Outcome, retry: Retry
+) -> None:
+    route = mock.get("/v1/tasks/7").mock(side_effect=[answer, found()])
+    with client(time) as c:
+        result = c.get_task(7)
+    assert route.call_count == 1
+    assert (result.outcome, result.retry, result.ok) == (outcome, retry, False)
+    assert result.problem_slug == answer.json()["type"].rsplit("/", 1)[-1]
+    assert result.operation_id is None
+
+
+def test_a_read_with_a_bad_id_is_refused_without_sending(
+    mock: respx.MockRouter, time: FakeTime
+) -> None:
+    route = mock.get(url__regex=r"/v1/operations/.*").mock(return_value=found())
+    with client(time) as c:
+        result = c.get_operation("with space")
+    assert (result.outcome, result.attempts, route.call_count) == (Outcome.REJECTED, 0, 0)
+    assert result.problem_slug == "invalid-operation-id"
+
+
+def test_the_deadline_is_per_call(mock: respx.MockRouter, time: FakeTime) -> None:
+    route = mock.post("/v1/tasks").mock(side_effect=httpx.ConnectError("refused"))
+    with client(time, deadline=3600, max_attempts=1000, backoff_initial=0.5) as c:
+        start = time.now
+        short = c.create_task("op-1", {"subject": "x"}, deadline=2.0)
+        short_calls, short_span = route.call_count, time.now - start
+        start = time.now
+        long = c.create_task("op-1", {"subject": "x"}, deadline=60.0)
+        long_span = time.now - start
+        with pytest.raises(ValueError):
+            c.get_task(1, deadline=0)
+    assert short.outcome is long.outcome is Outcome.UNAVAILABLE
+    assert short_span < 2.0 <= long_span < 60.0  # each call stopped at its own deadline
+    assert route.call_count - short_calls > short_calls
+    assert set(keys(route)) == {"op-1"}
+
+
+def test_an_id_that_starts_with_a_quote_is_sent_as_a_structured_string(
+    mock: respx.MockRouter, time: FakeTime
+) -> None:
+    route = mock.post("/v1/tasks").mock(return_value=created())
+    with client(time) as c:
+        c.create_task('"odd\\id', {"subject": "x"})
+        c.create_task("plain", {"subject": "x"})
+    # The server parses a leading quote as RFC 8941: escaped, it reads back the same id.
+    assert keys(route) == ['"\\"odd\\\\id"', "plain"]
+
+
+# --- the async client -------------------------------------------------------------------
+
+
+class AsyncFakeTime(FakeTime):
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+def test_the_async_client_has_the_same_shape_and_keeps_one_key_across_retries(
+    mock: respx.MockRouter,
+) -> None:
+    fake = AsyncFakeTime()
+    writes = mock.post("/v1/tasks").mock(
+        side_effect=[httpx.ReadTimeout("slow"), httpx.ConnectError("refused"), created(True)]
+    )
+    reads = mock.get("/v1/operations/op-1").mock(
+        side_effect=[httpx.RemoteProtocolError("dropped"), found()]
+    )
+    mock.get("/v1/tasks/9").mock(return_value=problem(404, "not-found", "never"))
+
+    async def main() -> list[Result]:
+        async with AsyncClient(
+            BASE, "obx_token", sleep=fake.asleep, clock=fake.clock, wall_clock=lambda: NOW
+        ) as c:
+            return [
+                await c.create_task("op-1", {"subject": "x"}, deadline=60),
+                await c.get_operation("op-1"),
+                await c.get_task(9),
+            ]
+
+    write, read, missing = asyncio.run(main())
+    assert (write.outcome, write.attempts, write.receipt) == (
+        Outcome.REPLAYED,
+        3,
+        json.loads(RECEIPT),
+    )
+    assert keys(writes) == ["op-1"] * 3
+    assert len({call.request.content for call in writes.calls}) == 1
+    assert (read.outcome, read.data, reads.call_count) == (Outcome.FOUND, OPERATION, 2)
+    assert (missing.outcome, missing.retry) == (Outcome.REJECTED, Retry.NEVER)
+    assert len(fake.pauses) == 3
+
+
+def test_the_async_client_stops_at_the_calls_deadline(mock: respx.MockRouter) -> None:
+    fake = AsyncFakeTime()
+    route = mock.post("/v1/tools/send_email").mock(side_effect=httpx.ConnectError("refused"))
+
+    async def main() -> Result:
+        async with AsyncClient(
+            BASE, "t", deadline=3600, max_attempts=1000, sleep=fake.asleep, clock=fake.clock
+        ) as c:
+            return await c.call("send_email", "op-9", {"to": "a@example.com"}, deadline=1.5)
+
+    start = fake.now
+    result = asyncio.run(main())
+    assert result.outcome is Outcome.UNAVAILABLE and result.retry is Retry.SAME_KEY
+    assert fake.now - start < 1.5
+    assert set(keys(route)) == {"op-9"}
+
+
+# --- a light import ---------------------------------------------------------------------
+
+HEAVY = ("sqlalchemy", "fastapi", "starlette", "pydantic", "alembic", "outbox.db", "outbox.create")
+
+
+def test_importing_the_client_loads_nothing_of_the_server() -> None:
+    code = (
+        "import json, sys\n"
+        "import outbox.client\n"
+        f"print(json.dumps([m for m in {list(HEAVY)!r} if m in sys.modules]))\n"
+        "from outbox import Outbox, OutboxError, Settings\n"
+        "print(Outbox.__module__, OutboxError.__module__, Settings.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert json.loads(out[0]) == []
+    # The package's top-level names still work; they load on first use.
+    assert out[1] == "outbox.service outbox.errors outbox.settings"
+
+
+def test_the_package_names_resolve_lazily_and_unknown_ones_fail() -> None:
+    import outbox
+
+    assert set(outbox.__all__) <= set(dir(outbox))
+    for name in outbox.__all__:
+        assert getattr(outbox, name).__name__ == name
+    with pytest.raises(AttributeError):
+        _ = outbox.NoSuchName  # type: ignore[attr-defined]
