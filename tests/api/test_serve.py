@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.patience import PATIENCE_S
+
 pytestmark = pytest.mark.e2e
 
-START_LIMIT_SECONDS = 30
+START_LIMIT_SECONDS = PATIENCE_S
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ from adapters.testing import FakeAdapter
 from outbox import faults, metrics, schema, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
+from tests.support.patience import PATIENCE_S
 
 S = EffectStatus
 HONOURS = adapters.Capabilities(True, True, 2.0)
@@ -400,7 +401,7 @@ def test_leases_are_renewed_while_a_delivery_is_slow(engine, make_dispatcher) ->
     try:
         assert started.wait(10)
         first = row(engine, effect_id).lease_expires_at
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         while row(engine, effect_id).lease_expires_at <= first + timedelta(seconds=0.3):
             assert time.monotonic() < deadline, "the lease was never renewed"
             time.sleep(0.05)
@@ -491,7 +492,7 @@ def test_notify_wakes_the_dispatcher_without_waiting_for_the_poll(
         assert ready.wait(10)
         time.sleep(0.3)  # the first pass found nothing; the next poll is a minute away
         seed(engine, 1, now=schema.utcnow())
-        assert delivered.wait(5), "the NOTIFY did not wake the dispatcher"
+        assert delivered.wait(PATIENCE_S / 2), "the NOTIFY did not wake the dispatcher"
     finally:
         dispatcher.request_stop()
         thread.join(10)
@@ -519,7 +520,7 @@ def test_a_row_inserted_during_a_pass_is_claimed_without_waiting_for_the_poll(
         # Committed while the pass that claimed the first row is still delivering.
         seed(engine, 1, now=schema.utcnow(), prefix="second")
         release.set()
-        assert second.wait(5), "the row's NOTIFY was lost; it waited for the poll"
+        assert second.wait(PATIENCE_S / 2), "the row's NOTIFY was lost; it waited for the poll"
     finally:
         release.set()
         dispatcher.request_stop()
@@ -558,8 +559,8 @@ def test_with_listen_up_a_short_pass_waits_for_the_next_notify(
         time.sleep(0.3)  # the passes LISTEN's first wake-up asked for are over
         before = len(claims)
         seed(engine, 1, now=schema.utcnow())
-        assert delivered.wait(5)
-        deadline = time.monotonic() + 5
+        assert delivered.wait(PATIENCE_S / 2)
+        deadline = time.monotonic() + PATIENCE_S / 2
         while statuses(engine) != {S.SUCCEEDED: 1} and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)
@@ -583,7 +584,7 @@ def test_with_listen_up_a_full_pass_goes_again_at_once(engine, backend, make_dis
         assert dispatcher._listening.wait(10)
         time.sleep(0.3)
         seed(engine, 7, now=schema.utcnow())  # one commit, one NOTIFY, four batches
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + PATIENCE_S / 2
         while statuses(engine) != {S.SUCCEEDED: 7} and time.monotonic() < deadline:
             time.sleep(0.02)
         assert statuses(engine) == {S.SUCCEEDED: 7}, "the loop waited for the poll"

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fake_provider import ProviderConfig, create_app
 from outbox import db, schema, settings
 from outbox.service import Outbox
+from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,7 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(timeout, PATIENCE_S)
     while True:
         value = predicate()
         if value:

@@ -17,6 +17,7 @@ import pytest
 from outbox import Outbox, cli, errors, schema, states
 from tests.conftest import Clock
 from tests.reconciler.support import create_effect, put_unknown, row, rows, snapshot, update
+from tests.support.patience import PATIENCE_S
 
 S = states.EffectStatus
 
@@ -158,7 +159,7 @@ def test_reconciler_stops_cleanly_on_sigterm(sqlite_url: str) -> None:
     )
     try:
         assert proc.stderr is not None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE_S
         seen = []
         while time.monotonic() < deadline:
             line = proc.stderr.readline()
