@@ -308,6 +308,13 @@ def test_outbox_dev_delivers_a_task_and_leaves_no_child_on_sigterm(tmp_path: Pat
         pids = {m[1]: int(m[2]) for m in out.find(r"started (\w+) pid (\d+)")}
         assert set(pids) == {"provider", "api", "dispatcher", "reconciler"}
         token = out.find(r"agent token: (\S+)")[0][1]
+        operator = out.find(r"operator token: (\S+)")[0][1]
+        # The banner says where to go next: the console, who signs in, the review queue.
+        assert out.find(rf"^Console +http://127\.0\.0\.1:{api_port}/console/sign-in")
+        assert out.find(
+            rf"^Review +http://127\.0\.0\.1:{api_port}/console/queue .*outbox review list"
+        )
+        assert operator.startswith("obx_") and operator != token
         api = f"http://127.0.0.1:{api_port}"
         wait_for(
             lambda: (r := get(f"{api}/readyz")) is not None and r.status_code == 200, 30, "the API"
