@@ -58,7 +58,7 @@ lint: $(STAMP)
 # the nav into an error. Built into a throwaway directory by `make test`.
 DOCS_DIR ?= site
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir $(DOCS_DIR)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(DOCS_DIR)
 
 docs-serve: $(STAMP)
 	$(VENV)/bin/mkdocs serve
@@ -78,7 +78,7 @@ browser:
 # The site must build with --strict (a broken link, a page left out of the nav);
 # built into a temporary directory, removed after.
 docs-check: $(STAMP)
-	@tmp=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$tmp/site; rc=$$?; rm -rf $$tmp; exit $$rc
+	@tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$tmp/site; rc=$$?; rm -rf $$tmp; exit $$rc
 
 test: $(STAMP) lint docs-check browser
 	@if [ -z "$$OUTBOX_TEST_POSTGRES_URL" ]; then echo "PostgreSQL does not answer on 127.0.0.1:5432: its tests will be skipped (CI fails instead)"; fi
