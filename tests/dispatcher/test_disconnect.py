@@ -89,7 +89,7 @@ def _looping(
     thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready})
     thread.start()
     try:
-        assert ready.wait(10)
+        assert ready.wait(PATIENCE_S)
         yield other, thread
     finally:
         dispatcher.request_stop()

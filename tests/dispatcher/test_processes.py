@@ -285,7 +285,7 @@ def test_a_paused_worker_past_its_lease_only_leaves_evidence(
             os.kill(paused.pid, signal.SIGCONT)
             wait_for(lambda: attempt_row(engine, effect_id, "paused").late, 20, "the late result")
             paused.send_signal(signal.SIGTERM)
-            assert paused.wait(20) == 0, kids.logs()
+            assert paused.wait(PATIENCE_S) == 0, kids.logs()
         assert app.state.ledger.stats()["tickets"] == 1
     final = row(engine, effect_id)
     # The late result changed nothing on the row ...

@@ -226,7 +226,7 @@ def test_serve_applies_its_flags_and_stops_cleanly(tmp_path: Path, signum: int) 
         assert limited.status_code == 429
         assert limited.headers["Retry-After"] == "9"
         provider.process.send_signal(signum)
-        assert provider.process.wait(10) == 0
+        assert provider.process.wait(PATIENCE_S) == 0
 
 
 def test_python_dash_m_help() -> None:

@@ -197,7 +197,7 @@ def test_dispatcher_serves_metrics_and_health_and_logs_each_attempt_as_json(
         assert sample(scraped, "outbox_review_queue") == 0
         assert_health_and_readiness(base_url, sqlite_url)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, log.read_text()
+        assert proc.wait(PATIENCE_S) == 0, log.read_text()
 
     text = log.read_text()
     lines = json_lines(text)
@@ -246,7 +246,7 @@ def test_reconciler_serves_metrics_and_health_and_counts_each_sweep(
         assert sample(scraped, "outbox_review_queue") == 0
         assert_health_and_readiness(base_url, sqlite_url)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, log.read_text()
+        assert proc.wait(PATIENCE_S) == 0, log.read_text()
     messages = [line["message"] for line in json_lines(log.read_text())]
     assert any(m.startswith("reconciler started") for m in messages)
     assert "reconciler stopped" in messages
@@ -338,7 +338,7 @@ def test_outbox_dev_delivers_a_task_and_leaves_no_child_on_sigterm(tmp_path: Pat
         wait_for(lambda: out.find(r"^reconciler +\| .*reconciler started"), 30, "the reconciler")
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(PATIENCE_S) == 0
         out.join()
         gone = [name for name, pid in pids.items() if alive(pid)]
         assert not gone, f"children left running: {gone}"
