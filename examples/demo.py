@@ -81,7 +81,7 @@ def lost_reply_story(url: str) -> None:
 
 # --- the effect stories: real fake-provider processes on loopback --------------------
 
-# Short timings so the story takes seconds; the defaults are in the README.
+# Short timings so the story takes seconds; the defaults are in docs/configuration.md.
 DEMO_SETTINGS = {
     "backoff_initial": "0.2s",
     "backoff_max": "1s",
