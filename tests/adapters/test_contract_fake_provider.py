@@ -222,7 +222,16 @@ def test_lookup_lag_is_why_settle_seconds_exist(serve: Serve, clock: Clock) -> N
 
 
 def test_many_dispatcher_threads_share_one_adapter(provider: Provider) -> None:
-    adapter = adapter_for(provider, max_connections=4)
+    # Six threads share four connections: a thread may wait its turn for a slot, and
+    # on a busy machine for seconds. The limits are the patience, not an idle
+    # machine's timings, so a wait is never mistaken for "not sent" or "ambiguous".
+    adapter = adapter_for(
+        provider,
+        max_connections=4,
+        connect_timeout=PATIENCE_S,
+        read_timeout=PATIENCE_S,
+        total_timeout=PATIENCE_S,
+    )
     refs: dict[str, set[str | None]] = {}
     lock = threading.Lock()
 
