@@ -214,14 +214,12 @@ def _reduced(database: str, phase: str, tmp_path: Path, pg_url: str = "") -> Non
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_reduced_chaos_run_on_sqlite(tmp_path: Path) -> None:
     _reduced("sqlite", "ignore_nolookup", tmp_path)
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 @pytest.mark.postgres
 def test_reduced_chaos_run_on_postgres(tmp_path: Path) -> None:
     if not POSTGRES_URL:
