@@ -122,10 +122,10 @@ def _wait_for_count(delivered: list[str], count: int) -> None:
 def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispatcher) -> None:
     """The LISTEN connection dies with the others: the loop notices (no busy
     loop on the dead socket), connects again, and a NOTIFY wakes it with the
-    poll a minute away."""
+    poll far away (longer than any wait here)."""
     delivered, step = _delivering()
     passes: list[int] = []
-    dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=60)
+    dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=PATIENCE_S * 10)
     real_run_once = dispatcher.run_once
 
     def counting(now=None):  # type: ignore[no-untyped-def]
