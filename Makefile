@@ -2,6 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The service alone (what `make demo` needs); STAMP adds the dev tools on top.
+STAMP_BASE := $(VENV)/.installed-base
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+# pipefail: pip's progress is filtered through grep, and pip's failure must still fail.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PG_ADMIN_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
 PYTEST_ARGS ?=
 
@@ -9,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint fmt browser run chaos chaos-quick bench bench-quick clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser run chaos chaos-quick bench bench-quick clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -17,17 +23,30 @@ help:
 	@echo "make test        lint, types, import layers and every test (PostgreSQL when it answers)"
 	@echo "make run         API, dispatcher, reconciler and a fake provider on this machine"
 	@echo "make chaos       crash/fault run with invariant checks (bounded)"
+	@echo "make chaos-quick a short chaos run (600 calls, 6 kills per database, bounded by count)"
+	@echo "make docs        build the documentation site into site/ (mkdocs --strict)"
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
+	@echo "==> creating the virtual environment $(VENV) ($$(python3 -V))"
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -U pip
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
-	touch $(STAMP)
+	@echo "==> updating pip"
+	$(PIP) install -q -U pip
+
+$(STAMP_BASE): pyproject.toml | $(VENV)/bin/python
+	@echo "==> installing Outbox and its dependencies into $(VENV) (about a minute on a fresh machine)..."
+	$(PIP) install --progress-bar on -e . | { grep -v '^Requirement already satisfied' || true; }
+	@touch $(STAMP_BASE)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "==> installing Outbox with its development tools into $(VENV) (about 2 minutes on a fresh machine)..."
+	$(PIP) install --progress-bar on -e '.[dev]' | { grep -v '^Requirement already satisfied' || true; }
+	@touch $(STAMP) $(STAMP_BASE)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP_BASE)
+	@echo "==> running the demo: real processes on 127.0.0.1, a fresh SQLite file"
 	$(PY) examples/demo.py
 
 example: $(STAMP)
@@ -38,6 +57,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+# The documentation site; --strict turns a broken link or a page missing from
+# the nav into an error. Built into a throwaway directory by `make test`.
+DOCS_DIR ?= site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(DOCS_DIR)
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .
@@ -51,7 +79,12 @@ browser:
 	  else echo "chromium is missing: install Debian's chromium package for the browser tests"; fi; \
 	fi
 
-test: $(STAMP) lint browser
+# The site must build with --strict (a broken link, a page left out of the nav);
+# built into a temporary directory, removed after.
+docs-check: $(STAMP)
+	@tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$tmp/site; rc=$$?; rm -rf $$tmp; exit $$rc
+
+test: $(STAMP) lint docs-check browser
 	@if [ -z "$$OUTBOX_TEST_POSTGRES_URL" ]; then echo "PostgreSQL does not answer on 127.0.0.1:5432: its tests will be skipped (CI fails instead)"; fi
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
@@ -60,6 +93,11 @@ run: $(STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m bench.chaos $(CHAOS_ARGS)
+
+# A few minutes at most: every call made and every kill landed, whatever the
+# machine's speed (no time bound), on PostgreSQL too when it answers.
+chaos-quick: $(STAMP)
+	$(PY) -m bench.chaos --db $(if $(PG_URL),both,sqlite) --operations 600 --kills 6 --max-seconds 0 $(CHAOS_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
@@ -70,4 +108,4 @@ bench-quick: $(STAMP)
 	$(PY) -m bench.perf --quick $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) var .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) var site .mypy_cache .ruff_cache .pytest_cache

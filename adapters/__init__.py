@@ -3,7 +3,7 @@ what happened as a value.
 
 Everything the dispatcher and the reconciler may use is importable from here.
 The classification table lives in ``adapters.classify`` and is documented in
-the README. ``adapters.testing`` ships ``FakeAdapter`` and ``NoopAdapter``.
+docs/adapter-protocol.md. ``adapters.testing`` ships ``FakeAdapter`` and ``NoopAdapter``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ httpx maps httpcore's exceptions), so a subclass httpx adds later falls back to
 its parent's row, and anything outside the table is AMBIGUOUS. Statuses resolve
 to an exact code, then the 2xx range, then the fallback row (AMBIGUOUS).
 
-``table_markdown()`` renders both tables; the README embeds its output and
+``table_markdown()`` renders both tables; docs/adapter-protocol.md embeds its output and
 a test keeps the two identical.
 """
 
@@ -278,7 +278,7 @@ def reference_in(document: Any, field: str) -> str | None:
 
 
 def table_markdown() -> str:
-    """Both tables as Markdown, exactly as the README shows them."""
+    """Both tables as Markdown, exactly as docs/adapter-protocol.md shows them."""
 
     def cell(rule: Rule) -> tuple[str, str]:
         outcome = "by status" if rule.outcome is None else f"`{rule.outcome}`"

@@ -81,7 +81,7 @@ def lost_reply_story(url: str) -> None:
 
 # --- the effect stories: real fake-provider processes on loopback --------------------
 
-# Short timings so the story takes seconds; the defaults are in the README.
+# Short timings so the story takes seconds; the defaults are in docs/configuration.md.
 DEMO_SETTINGS = {
     "backoff_initial": "0.2s",
     "backoff_max": "1s",
@@ -351,7 +351,20 @@ def main() -> int:
     honour_story(work, results)
     lookup_story(work, results)
     review_story(work, results)
-    return summary(results)
+    code = summary(results)
+    print(NEXT_STEPS)
+    return code
+
+
+NEXT_STEPS = """
+== What to open next ==
+  make run        the whole service on this machine (= outbox dev). It prints:
+                    API      http://127.0.0.1:8000/v1  (OpenAPI: http://127.0.0.1:8000/docs)
+                    Console  http://127.0.0.1:8000/console/sign-in, with an operator token
+                    Review   http://127.0.0.1:8000/console/queue  (or: outbox review list)
+                  and an agent token to call the API with.
+  make test       lint, types and every test
+  docs            docs/getting-started.md, then the rest under docs/ (make docs builds the site)"""
 
 
 if __name__ == "__main__":

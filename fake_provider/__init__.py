@@ -2,7 +2,7 @@
 
 It stands for a system someone else runs: it imports nothing of ours, keeps its
 own store, and keeps a ledger of every effect so that tests can count
-duplicates from the provider's side. See the README ("The fake provider").
+duplicates from the provider's side. See docs/fake-provider.md.
 """
 
 from __future__ import annotations

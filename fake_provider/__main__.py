@@ -29,6 +29,23 @@ PORT_DEFAULT = 9000
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default only where it says something: never for on/off
+    switches (argparse's own formatter shows ``--no-lookup``'s stored True as its
+    default), nor for unset values or a help text that already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.nargs == 0  # store_true / store_false / count: a switch
+            or action.default in (None, "", [], argparse.SUPPRESS)
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fake-provider",
@@ -42,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="serve the provider until SIGTERM/SIGINT",
         description="Serve the provider until SIGTERM/SIGINT.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     serve.add_argument("--host", default=HOST_DEFAULT, help="address to bind")
     serve.add_argument("--port", type=int, default=PORT_DEFAULT, help="port to bind")
@@ -56,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-lookup",
         dest="lookup_enabled",
         action="store_false",
-        help="GET /v1/tickets?client_reference=...|idempotency_key=... answers 501",
+        help="lookups (GET /v1/tickets?client_reference=...|idempotency_key=...) answer 501; "
+        "without it they are answered",
     )
     serve.add_argument(
         "--lookup-lag-ms",

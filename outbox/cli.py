@@ -131,15 +131,48 @@ def cmd_tokens_create(args: argparse.Namespace) -> int:
         token = box.create_token(args.tenant, args.role, args.label)
     print(token)
     print(
-        "Keep this token now: only its SHA-256 is stored, it cannot be shown again.",
+        "Keep this token now: only its SHA-256 is stored, it cannot be shown again.\n"
+        f"Use it as 'Authorization: Bearer <token>' for tenant {args.tenant!r}; the CLI names "
+        f"the tenant itself, e.g. outbox tasks create --tenant {args.tenant} "
+        "--operation-id op-1 --subject 'First task'.\n"
+        "See it with 'outbox tokens list'; revoke it with 'outbox tokens revoke <id>'.",
         file=sys.stderr,
     )
     return EXIT_OK
 
 
-def cmd_tokens_revoke(args: argparse.Namespace) -> int:
+def cmd_tokens_list(args: argparse.Namespace) -> int:
     with _box(args) as box:
-        revoked = box.revoke_token(args.token)
+        tokens = box.list_tokens(args.tenant)
+    if args.json:
+        print_json(tokens)
+        return EXIT_OK
+    columns = ("id", "tenant", "role", "label", "created_at", "last_used_at", "revoked_at")
+    rows = [[str(t["id"]), *(t[c] or "-" for c in columns[1:])] for t in tokens]
+    if not rows:
+        print("no tokens" + (f" for tenant {args.tenant!r}" if args.tenant else ""))
+        return EXIT_OK
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    for line in [list(columns), *rows]:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
+    return EXIT_OK
+
+
+def cmd_tokens_revoke(args: argparse.Namespace) -> int:
+    from outbox.service import TOKEN_PREFIX
+
+    with _box(args) as box:
+        if args.token.isdigit():
+            revoked = box.revoke_token_id(int(args.token))
+        elif args.token.startswith(TOKEN_PREFIX):
+            revoked = box.revoke_token(args.token)
+        else:
+            raise errors.RequestError(
+                f"{args.token!r} is neither a token id (see 'outbox tokens list') "
+                f"nor a token ({TOKEN_PREFIX}...)"
+            )
     print("revoked" if revoked else "no such active token")
     return EXIT_OK if revoked else EXIT_INVALID
 
@@ -224,8 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", required=True, choices=["agent", "operator"])
     p.add_argument("--label", default="")
     p.set_defaults(handler=cmd_tokens_create)
-    p = k_sub.add_parser("revoke", help="revoke a token")
-    p.add_argument("token")
+    p = k_sub.add_parser("list", help="every token: id, tenant, role, label, created, last used")
+    p.add_argument("--tenant", help="only this tenant's tokens")
+    p.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    p.set_defaults(handler=cmd_tokens_list)
+    p = k_sub.add_parser("revoke", help="revoke a token by its id (tokens list) or by the token")
+    p.add_argument("token", metavar="ID_OR_TOKEN")
     p.set_defaults(handler=cmd_tokens_revoke)
 
     p_tasks = sub.add_parser("tasks", help="support tasks")
@@ -348,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Loaded and checked before anything runs: a broken app writes nothing.
         apps.from_args(args)
         return handler(args)
-    except apps.AppError as error:
+    except errors.ConfigError as error:
+        # Configuration is the operator's to fix: one plain line, no document, no traceback.
         print(f"outbox: {error.detail}", file=sys.stderr)
         return exit_code(error)
     except errors.OutboxError as error:
@@ -356,6 +394,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(error)
     except KeyboardInterrupt:
         return 130
+    except Exception as error:
+        line = database_problem(error, args.database_url)
+        if line is None:
+            raise  # a bug: its traceback is the report
+        print(f"outbox: {line}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def database_problem(error: BaseException, url: str | None) -> str | None:
+    """One line for a database we cannot use (wrong URL, refused, no such driver),
+    or None when the error is not about reaching the database."""
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    if sa_exc is None:
+        return None
+    where = _url_label(url)
+    if isinstance(error, sa_exc.ArgumentError | sa_exc.NoSuchModuleError):
+        return f"the database URL {where} is not usable: {_first_line(error)}"
+    if isinstance(error, sa_exc.OperationalError | sa_exc.InterfaceError):
+        cause = _first_line(error.orig if error.orig is not None else error)
+        return f"cannot use the database at {where}: {cause}"
+    return None
+
+
+def _url_label(url: str | None) -> str:
+    raw = url or settings.Settings.model_fields["database_url"].default
+    try:
+        from outbox import db
+
+        return str(db.normalise_url(raw).render_as_string(hide_password=True))
+    except Exception:  # noqa: BLE001 - an unparseable URL is shown as given, password and all cut
+        return raw.split("@")[-1] if "@" in raw else raw
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 if __name__ == "__main__":

@@ -122,12 +122,19 @@ def cli_run(args: argparse.Namespace) -> int:
         "reconciler": _command("outbox.cli", "reconciler"),
     }
 
-    print(f"API      http://{args.host}:{args.port}/v1  (OpenAPI: /docs)")
-    print(f"Console  http://{args.host}:{args.port}/console")
+    base = f"http://{args.host}:{args.port}"
+    print(f"API      {base}/v1  (OpenAPI: {base}/docs)")
+    print(f"Console  {base}/console/sign-in  (sign in with the operator token)")
+    print(f"Review   {base}/console/queue  ·  outbox review list  ·  GET {base}/v1/review")
     print(f"Provider http://{args.host}:{args.provider_port}/_admin/stats")
     print(f"Database {url}")
     print(f"Tenant   dev   agent token: {agent}")
     print(f"               operator token: {operator}")
+    print(
+        "Try      curl -H 'Authorization: Bearer <agent token>' -H 'Idempotency-Key: op-1' "
+        f"-H 'Content-Type: application/json' -d '{{\"subject\": \"Late parcel\"}}' "
+        f"{base}/v1/tasks"
+    )
     print("Ctrl-C stops everything.", flush=True)
 
     stop = threading.Event()

@@ -108,6 +108,8 @@ api_tokens = sa.Table(
     sa.Column("label", sa.String(200), nullable=False, server_default=""),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("revoked_at", UTCDateTime(), nullable=True),
+    # Written at most once a minute per token (service.TOKEN_LAST_USED_RESOLUTION).
+    sa.Column("last_used_at", UTCDateTime(), nullable=True),
 )
 
 tasks = sa.Table(

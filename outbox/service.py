@@ -20,7 +20,7 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Self
 
 import sqlalchemy as sa
@@ -46,6 +46,9 @@ logger = logging.getLogger("outbox.create")
 
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 TOKEN_PREFIX = "obx_"
+# A token's last_used_at moves at most this often: one small write a minute per
+# token in use, not one per request.
+TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 Clock = Callable[[], datetime]
 
@@ -269,14 +272,50 @@ class Outbox:
         return token
 
     def revoke_token(self, token: str) -> bool:
+        """Revoke by the token itself (its hash); False if unknown or revoked already."""
+        t = schema.api_tokens
+        return self._revoke(t.c.token_sha256 == hash_token(token))
+
+    def revoke_token_id(self, token_id: int) -> bool:
+        """Revoke by the id ``outbox tokens list`` shows; False if unknown or revoked already."""
+        return self._revoke(schema.api_tokens.c.id == token_id)
+
+    def _revoke(self, which: sa.ColumnElement[bool]) -> bool:
         t = schema.api_tokens
         with db.write(self.engine) as conn:
             result = conn.execute(
-                sa.update(t)
-                .where(t.c.token_sha256 == hash_token(token), t.c.revoked_at.is_(None))
-                .values(revoked_at=self.clock())
+                sa.update(t).where(which, t.c.revoked_at.is_(None)).values(revoked_at=self.clock())
             )
         return result.rowcount > 0
+
+    def list_tokens(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Every token (never its hash), oldest first: who it is for and when it was used."""
+        t = schema.api_tokens
+        query = sa.select(
+            t.c.id,
+            t.c.tenant,
+            t.c.role,
+            t.c.label,
+            t.c.created_at,
+            t.c.last_used_at,
+            t.c.revoked_at,
+        ).order_by(t.c.id)
+        if tenant is not None:
+            query = query.where(t.c.tenant == tenant)
+        with db.read(self.engine) as conn:
+            rows = conn.execute(query).all()
+        return [
+            {
+                "id": row.id,
+                "tenant": row.tenant,
+                "role": str(states.Role(row.role)),
+                "label": row.label,
+                "created_at": row.created_at.isoformat(),
+                "last_used_at": row.last_used_at.isoformat() if row.last_used_at else None,
+                "revoked_at": row.revoked_at.isoformat() if row.revoked_at else None,
+            }
+            for row in rows
+        ]
 
     def authenticate(self, token: str | None) -> Principal | None:
         """The token's tenant and role, or None if missing, unknown or revoked."""
@@ -286,15 +325,41 @@ class Outbox:
         t = schema.api_tokens
         with db.read(self.engine) as conn:
             row = conn.execute(
-                sa.select(t.c.id, t.c.token_sha256, t.c.tenant, t.c.role, t.c.revoked_at).where(
-                    t.c.token_sha256 == digest
-                )
+                sa.select(
+                    t.c.id, t.c.token_sha256, t.c.tenant, t.c.role, t.c.revoked_at, t.c.last_used_at
+                ).where(t.c.token_sha256 == digest)
             ).first()
         if row is None or not hmac.compare_digest(row.token_sha256, digest):
             return None
         if row.revoked_at is not None:
             return None
+        now = self.clock()
+        if row.last_used_at is None or row.last_used_at <= now - TOKEN_LAST_USED_RESOLUTION:
+            self._touch_token(row.id, now)
         return Principal(tenant=row.tenant, role=states.Role(row.role), token_id=row.id)
+
+    def _touch_token(self, token_id: int, now: datetime) -> None:
+        """Record the use; a guarded UPDATE, so concurrent requests write it once.
+
+        Best effort: a busy database must not turn a valid token away, and a
+        missed minute only makes ``last_used_at`` a little older than it is.
+        """
+        t = schema.api_tokens
+        stale = now - TOKEN_LAST_USED_RESOLUTION
+        try:
+            with db.write(self.engine) as conn:
+                conn.execute(
+                    sa.update(t)
+                    .where(
+                        t.c.id == token_id,
+                        sa.or_(t.c.last_used_at.is_(None), t.c.last_used_at <= stale),
+                    )
+                    .values(last_used_at=now)
+                )
+        except (errors.OutboxError, exc.SQLAlchemyError) as error:
+            logger.warning(
+                "token last_used_at not recorded: %s", error, extra={"token_id": token_id}
+            )
 
     # --- retention -----------------------------------------------------------
 

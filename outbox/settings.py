@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox import errors
@@ -134,11 +134,51 @@ class Settings(BaseSettings):
             )
 
 
+DURATION_FORMS = "a duration such as 90s, 15m, 12h, 30d, plain seconds, or ISO 8601 (P30D)"
+
+
 def load(**overrides: Any) -> Settings:
     """Read the environment (and explicit overrides) into a frozen ``Settings``."""
     try:
         return Settings(**overrides)
     except errors.ConfigError:
         raise
-    except Exception as exc:  # pydantic.ValidationError: say which variable to fix
-        raise errors.ConfigError(f"invalid OUTBOX_* setting: {exc}") from exc
+    except ValidationError as exc:  # say which variable to fix and what it may be, in one line
+        raise errors.ConfigError(describe(exc)) from exc
+
+
+def describe(error: ValidationError) -> str:
+    """One line per bad variable, joined: its name, the value given, what is allowed."""
+    parts: list[str] = []
+    for problem in error.errors(include_url=False):
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        if field not in Settings.model_fields:
+            parts.append(str(problem["msg"]))
+            continue
+        allowed = _allowed(field, problem)
+        value = problem.get("input")
+        given = f"={value!r}" if isinstance(value, str | int | float) else ""
+        parts.append(f"OUTBOX_{field.upper()}{given} is invalid: expected {allowed}")
+    return "; ".join(parts)
+
+
+def _allowed(field: str, problem: Any) -> str:
+    info = Settings.model_fields[field]
+    if info.annotation is timedelta:
+        return DURATION_FORMS
+    choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
+    if choices:
+        return "one of " + ", ".join(str(c) for c in choices)
+    if info.annotation is bool:
+        return "true or false"
+    kinds: dict[Any, str] = {int: "an integer", float: "a number"}
+    kind = kinds.get(info.annotation)
+    if kind is not None:
+        bounds = [
+            f"{word} {getattr(rule, name)}"
+            for rule in info.metadata
+            for name, word in (("ge", "at least"), ("le", "at most"))
+            if getattr(rule, name, None) is not None
+        ]
+        return kind + (" " + " and ".join(bounds) if bounds else "")
+    return str(problem["msg"]).removeprefix("Input should be ")

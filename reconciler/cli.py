@@ -160,6 +160,9 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     if args.log_format is not None:
         overrides["log_format"] = args.log_format
     config = settings.load(**overrides)
+    # Before anything can log: a --once pass logs what it settles like the long-lived
+    # process does, in the format asked for.
+    logs.configure(config.log_format, config.log_level)
     app = apps.from_args(args)
     # The adapters first: a broken file stops us before the database is touched.
     registry = _registry(app, config)
@@ -175,7 +178,6 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
             for sweep in all_sweeps:
                 print(f"{sweep.name}: {sweep.run_once()}")
             return 0
-        logs.configure(config.log_format, config.log_level)
         server = None
         if config.reconciler_metrics_port:
             server = metrics.serve(box.engine, config.metrics_host, config.reconciler_metrics_port)

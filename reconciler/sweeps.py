@@ -80,6 +80,17 @@ class _Base:
         return value
 
 
+def _context(row: Any, **more: Any) -> dict[str, Any]:
+    """The ``extra=`` of a log line about one effect: the ids that find it again
+    in every process's logs (the operation id above all)."""
+    return {
+        "tenant": row.tenant,
+        "operation_id": row.operation_id,
+        "effect_id": getattr(row, "effect_id", None) or row.id,
+        "adapter": row.adapter,
+    } | more
+
+
 def _skip_locked(query: sa.Select[Any], conn: Connection) -> sa.Select[Any]:
     # PostgreSQL: a second reconciler skips rows the first is deciding on instead
     # of waiting for them and then deciding again on stale data.
@@ -179,7 +190,9 @@ class EnforceDeadlines(_Base):
         with db.write(self.engine) as conn:
             rows = conn.execute(
                 _skip_locked(
-                    sa.select(out.c.id, out.c.maybe_sent)
+                    sa.select(
+                        out.c.id, out.c.maybe_sent, out.c.tenant, out.c.operation_id, out.c.adapter
+                    )
                     .where(out.c.status == S.PENDING, out.c.deadline_at <= now)
                     .order_by(out.c.deadline_at, out.c.id)
                     .limit(self.batch),
@@ -217,6 +230,7 @@ class EnforceDeadlines(_Base):
                         row.id,
                         decision.status.value,
                         decision.reason.value,
+                        extra=_context(row, sweep=self.name, outcome=decision.status.value),
                     )
         return done, len(rows)
 
@@ -233,6 +247,8 @@ class _Claim:
     tries: int  # lookup_attempts after our claim: the guard for applying the answer
     deadline_at: datetime
     fence: int  # as read at the claim: the settle step compares it
+    tenant: str
+    operation_id: str
 
 
 class RunLookups(_Base):
@@ -299,6 +315,8 @@ class RunLookups(_Base):
                         out.c.next_lookup_at,
                         out.c.deadline_at,
                         out.c.fence,
+                        out.c.tenant,
+                        out.c.operation_id,
                     )
                     .where(
                         out.c.status == S.OUTCOME_UNKNOWN,
@@ -340,7 +358,12 @@ class RunLookups(_Base):
                     )
                     to_review += result.rowcount
                     if result.rowcount:
-                        logger.info("effect %s needs review: %s", row.id, error)
+                        logger.info(
+                            "effect %s needs review: %s",
+                            row.id,
+                            error,
+                            extra=_context(row, sweep=self.name),
+                        )
                     continue
                 last = settled.get(row.id)
                 settle_at = last + timedelta(seconds=caps.lookup_settle_seconds) if last else None
@@ -366,6 +389,8 @@ class RunLookups(_Base):
                             tries,
                             row.deadline_at,
                             row.fence,
+                            row.tenant,
+                            row.operation_id,
                         )
                     )
         return claims, to_review
@@ -382,7 +407,12 @@ class RunLookups(_Base):
             # it does anyway, that is an inconclusive answer, not a crash.
             answer = None
             error = f"{type(exc).__name__}: {exc}"[:300]
-            logger.warning("lookup of effect %s raised %s", claim.effect_id, error)
+            logger.warning(
+                "lookup of effect %s raised %s",
+                claim.effect_id,
+                error,
+                extra=_context(claim, sweep=self.name),
+            )
         outcome = _lookup_outcome(answer)
         out = schema.outbox
         guard = (
@@ -428,10 +458,18 @@ class RunLookups(_Base):
                 written = bool(conn.execute(sa.update(out).where(*guard).values(**values)).rowcount)
                 status = values["status"]
         if written:
-            logger.info("lookup of effect %s: %s -> %s", claim.effect_id, outcome.value, status)
+            logger.info(
+                "lookup of effect %s: %s -> %s",
+                claim.effect_id,
+                outcome.value,
+                status,
+                extra=_context(claim, sweep=self.name, outcome=outcome.value),
+            )
         else:
             logger.info(
-                "effect %s changed during its lookup; answer kept as evidence only", claim.effect_id
+                "effect %s changed during its lookup; answer kept as evidence only",
+                claim.effect_id,
+                extra=_context(claim, sweep=self.name, outcome=outcome.value),
             )
 
     def _decide(

@@ -4,7 +4,8 @@
                           [--max-seconds S] [--seed N] [--dispatchers K]
 
 ``--operations``, ``--kills`` and ``--max-seconds`` are per database; each is
-shared out over the phases (one per provider mode). Exit status 0 when every
+shared out over the phases (one per provider mode). ``--max-seconds 0`` bounds
+a run by count alone: every call is made, every kill lands, the drain waits. Exit status 0 when every
 invariant held on every database, 1 when one failed (the offending rows are
 printed), 2 for bad arguments.
 """
@@ -37,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operations", type=int, default=5000, help="calls per database")
     p.add_argument("--kills", type=int, default=21, help="kill -9 per database")
     p.add_argument(
-        "--max-seconds", type=float, default=300.0, help="time bound per database (seconds)"
+        "--max-seconds",
+        type=float,
+        default=300.0,
+        help="time bound per database (seconds); 0: bounded by count alone",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dispatchers", type=int, default=3, choices=[2, 3, 4])
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_phases(
     names: Sequence[str], operations: int, kills: int, seconds: float
-) -> list[tuple[run.Phase, int, int, float]]:
+) -> list[tuple[run.Phase, int, int, float | None]]:
     """Each phase with its share of the operations, kills and time."""
     total = sum(PHASE_SHARES[n] for n in names)
     planned = []
@@ -70,7 +74,7 @@ def plan_phases(
                 run.PHASES[name],
                 max(10, round(operations * share)),
                 max(1, math.ceil(kills * share)),
-                seconds * share,
+                seconds * share if seconds else None,
             )
         )
     return planned
@@ -98,7 +102,8 @@ def run_database(
             run_dir=run_dir,
             pg_admin_url=args.pg_url,
         )
-        log(f"[{database}] phase {phase.name}: {operations} calls, {kills} kills, {seconds:.0f}s")
+        bound = f"{seconds:.0f}s" if seconds is not None else "no time bound"
+        log(f"[{database}] phase {phase.name}: {operations} calls, {kills} kills, {bound}")
         results.append(run.run_phase(phase, options, log=log))
     return results
 
@@ -172,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or not names:
         print(f"unknown phase(s) {unknown}; choose from {', '.join(run.PHASES)}", file=sys.stderr)
         return 2
-    if args.operations < 10 or args.kills < 0 or args.max_seconds < 20:
-        print("--operations >= 10, --kills >= 0, --max-seconds >= 20", file=sys.stderr)
+    if args.operations < 10 or args.kills < 0 or 0 < args.max_seconds < 20 or args.max_seconds < 0:
+        print("--operations >= 10, --kills >= 0, --max-seconds 0 or >= 20", file=sys.stderr)
         return 2
     databases = ["sqlite", "postgres"] if args.db == "both" else [args.db]
     run_dir = Path(tempfile.mkdtemp(prefix="outbox_chaos_"))

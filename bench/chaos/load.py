@@ -155,7 +155,8 @@ def build_plan(operations: int, seed: int, phase: str) -> tuple[list[Job], dict[
 
 
 class LoadGenerator:
-    """Runs a plan with ``workers`` threads against ``base_url`` until done or ``stop_at``."""
+    """Runs a plan with ``workers`` threads against ``base_url`` until done or ``stop_at``
+    (None: until every call of the plan is made)."""
 
     def __init__(
         self,
@@ -165,7 +166,7 @@ class LoadGenerator:
         keys: dict[str, KeyRecord],
         *,
         workers: int = 8,
-        stop_at: float,
+        stop_at: float | None,
     ) -> None:
         self.base_url = base_url
         self.token = token
@@ -200,9 +201,14 @@ class LoadGenerator:
         ]
         for thread in threads:
             thread.start()
-        bound = max(0.0, self.stop_at - time.monotonic()) + CLIENT_DEADLINE_S * (RECALLS_MAX + 2)
-        for thread in threads:
-            thread.join(max(0.1, bound))
+        if self.stop_at is None:
+            for thread in threads:
+                thread.join()  # each call is bounded by the client's deadline and recalls
+        else:
+            bound = max(0.0, self.stop_at - time.monotonic())
+            bound += CLIENT_DEADLINE_S * (RECALLS_MAX + 2)
+            for thread in threads:
+                thread.join(max(0.1, bound))
         self.report.seconds = time.monotonic() - self.started_at
         # Whatever a stuck worker did not take is skipped, not silently lost.
         while True:
@@ -221,7 +227,7 @@ class LoadGenerator:
                     job = self._queue.get_nowait()
                 except queue.Empty:
                     return
-                if time.monotonic() >= self.stop_at:
+                if self.stop_at is not None and time.monotonic() >= self.stop_at:
                     with self._lock:
                         self.report.calls_skipped += job.copies
                     continue

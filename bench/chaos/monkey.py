@@ -6,7 +6,10 @@ reconciler (SIGKILL or SIGTERM), and starts the victim again at once. Its
 quota of kills is spread over the load: the interval is recomputed before each
 kill from the load's progress, so a run of any size gets its kills while the
 callers and the dispatchers are busy. If the load ends first, the remaining
-kills land on the dispatchers' backlog, a little apart. On PostgreSQL it also
+kills land on the dispatchers' backlog, a little apart. Without a time bound
+(``stop_at=None``, the test suite's runs) the kills are paced by the load's
+progress alone: kill i of n lands once i/(n+1) of the calls are answered, so a
+slow machine gets the same kills at the same points of the load. On PostgreSQL it also
 terminates the service's connections (``pg_terminate_backend``) every couple
 of seconds. A child that died on its own is restarted and counted as an
 unexpected exit: it would be a crash we did not cause.
@@ -38,7 +41,7 @@ class Monkey:
         kills: int,
         rng: random.Random,
         progress: Callable[[], float | None],
-        stop_at: float,
+        stop_at: float | None,
         pg_admin: sa.Engine | None = None,
         pg_database: str | None = None,
     ) -> None:
@@ -64,22 +67,22 @@ class Monkey:
         self._started = time.monotonic()
         self._thread.start()
 
-    def finish(self, timeout: float) -> None:
-        """Wait for the quota (bounded by ``timeout`` and ``stop_at``), then stop."""
-        self._thread.join(max(0.0, timeout))
+    def finish(self, timeout: float | None) -> None:
+        """Wait for the quota (bounded by ``timeout`` and ``stop_at``, when given), then stop."""
+        self._thread.join(None if timeout is None else max(0.0, timeout))
         self._stop.set()
         self._thread.join(10)
 
     def _run(self) -> None:
         next_kill = time.monotonic() + self._interval()
         next_pg = time.monotonic() + self.rng.uniform(*PG_TERMINATE_EVERY_S)
-        while not self._stop.is_set() and time.monotonic() < self.stop_at:
+        while not self._stop.is_set() and (self.stop_at is None or time.monotonic() < self.stop_at):
             if self.kills >= self.quota:
                 return
             now = time.monotonic()
             try:
                 self._revive()
-                if now >= next_kill:
+                if self._due(now, next_kill):
                     self._strike()
                     next_kill = time.monotonic() + self._interval()
                 if self.pg_admin is not None and now >= next_pg:
@@ -88,6 +91,12 @@ class Monkey:
             except Exception as exc:  # noqa: BLE001 - recorded, and the run fails on it
                 self.errors.append(f"{type(exc).__name__}: {exc}")
             self._stop.wait(0.05)
+
+    def _due(self, now: float, next_kill: float) -> bool:
+        if self.stop_at is not None:
+            return now >= next_kill
+        done = self.progress()
+        return done is None or done >= (self.kills + 1) / (self.quota + 1)
 
     def _interval(self) -> float:
         left = max(1, self.quota - self.kills)

@@ -3,7 +3,7 @@
 Mounted through the ``outbox.routers`` entry point (``routers()``), like the
 review API, so ``outbox`` never imports it. Pages: sign-in with an operator
 token, the review queue, one item with all its evidence and the resolve form
-(with a confirmation step), and an overview of the backlog. The README ("The operator console")
+(with a confirmation step), and an overview of the backlog. docs/operator-console.md
 describes them.
 """
 

@@ -23,6 +23,7 @@ from adapters.helpdesk import helpdesk_adapter
 from fake_provider import DropMode, FaultSpec, Mode, ProviderConfig, RetryAfterFormat, create_app
 from fake_provider import Outcome as Fault
 from tests.adapters.support import TICKET, request_for
+from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread
 
 
@@ -118,11 +119,13 @@ def test_same_key_other_body_is_permanent(provider: Provider, adapter: HttpAdapt
 def test_in_progress_is_retryable_and_may_have_happened(
     provider: Provider, adapter: HttpAdapter
 ) -> None:
-    provider.script(Fault.OK, latency_ms=600)  # the first request holds its key for 0.6 s
+    # The first request holds its key for 5 s: long enough on a busy machine for the
+    # second to arrive while it does (only the wait below is a sleep).
+    provider.script(Fault.OK, latency_ms=5000)
     results: list[Any] = []
     first = threading.Thread(target=lambda: results.append(adapter.deliver(request_for("k"))))
     first.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE_S
     while provider.app.state.faults.counts().get("ok", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     provider.script()  # the second request has no latency
@@ -219,7 +222,16 @@ def test_lookup_lag_is_why_settle_seconds_exist(serve: Serve, clock: Clock) -> N
 
 
 def test_many_dispatcher_threads_share_one_adapter(provider: Provider) -> None:
-    adapter = adapter_for(provider, max_connections=4)
+    # Six threads share four connections: a thread may wait its turn for a slot, and
+    # on a busy machine for seconds. The limits are the patience, not an idle
+    # machine's timings, so a wait is never mistaken for "not sent" or "ambiguous".
+    adapter = adapter_for(
+        provider,
+        max_connections=4,
+        connect_timeout=PATIENCE_S,
+        read_timeout=PATIENCE_S,
+        total_timeout=PATIENCE_S,
+    )
     refs: dict[str, set[str | None]] = {}
     lock = threading.Lock()
 

@@ -29,6 +29,7 @@ from tests.adapters.support import (
     request_for,
 )
 from tests.adapters.test_classify import EXPECTED_EXCEPTIONS, STATUS_CASES
+from tests.support.patience import PATIENCE_S
 
 BASE = "http://provider.test"
 URL = f"{BASE}/v1/tickets"
@@ -262,7 +263,7 @@ def test_waiting_for_a_free_connection_is_bounded_and_not_sent(router: respx.Rou
     adapter = make(router, max_connections=1, connect_timeout=0.05)
     first = threading.Thread(target=adapter.deliver, args=(request_for("a"),))
     first.start()
-    assert entered.wait(5)
+    assert entered.wait(PATIENCE_S)
     result = adapter.deliver(request_for("b"))
     release.set()
     first.join()

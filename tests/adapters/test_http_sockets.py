@@ -76,11 +76,11 @@ def test_a_refused_connection_is_not_sent() -> None:
 def test_a_read_timeout_is_ambiguous(slow_server: tuple[str, SlowApp]) -> None:
     base_url, _ = slow_server
     adapter = HttpAdapter("h", HttpAdapterConfig(url=f"{base_url}/hang", read_timeout=0.2))
-    started = time.monotonic()
     result = adapter.deliver(request_for())
+    # /hang answers 201 only when released (or after 10 s): ambiguous means the
+    # read timeout ended the wait, whatever the machine's speed.
     assert result.outcome is Outcome.AMBIGUOUS
     assert result.error is not None and result.error.startswith("ReadTimeout")
-    assert time.monotonic() - started < 2
     adapter.close()
 
 
@@ -91,8 +91,9 @@ def test_total_timeout_bounds_a_reply_that_trickles(slow_server: tuple[str, Slow
     started = time.monotonic()
     result = adapter.deliver(request_for())
     elapsed = time.monotonic() - started
-    # Each chunk arrives well within read_timeout; only the total deadline ends it.
-    assert 0.3 <= elapsed < 2
+    # Each chunk arrives well within read_timeout and the drip never ends by
+    # itself: only the total deadline can end it, and not before it is due.
+    assert elapsed >= 0.3
     assert (result.outcome, result.status_code, result.provider_ref) == (
         Outcome.AMBIGUOUS,
         201,
@@ -106,7 +107,8 @@ def test_total_timeout_caps_the_read_timeout(slow_server: tuple[str, SlowApp]) -
     base_url, _ = slow_server
     config = HttpAdapterConfig(url=f"{base_url}/hang", read_timeout=30, total_timeout=0.2)
     adapter = HttpAdapter("h", config)
-    started = time.monotonic()
-    assert adapter.deliver(request_for()).outcome is Outcome.AMBIGUOUS
-    assert time.monotonic() - started < 2
+    result = adapter.deliver(request_for())
+    # Not the 30 s read timeout: /hang would have answered 201 after 10 s.
+    assert result.outcome is Outcome.AMBIGUOUS
+    assert result.error is not None and result.error.startswith("ReadTimeout")
     adapter.close()

@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.patience import PATIENCE_S
+
 pytestmark = pytest.mark.e2e
 
-START_LIMIT_SECONDS = 30
+START_LIMIT_SECONDS = PATIENCE_S
 
 
 def free_port() -> int:
@@ -49,7 +51,7 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(sqlite_url: str, tmp_path: P
         assert ready.status_code == 200
         assert ready.json()["status"] == "ready"
         process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=20)
+        output, _ = process.communicate(timeout=PATIENCE_S)
     finally:
         if process.poll() is None:
             process.kill()

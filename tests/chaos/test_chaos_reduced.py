@@ -11,6 +11,12 @@ and has no lookup (every ambiguous send goes to the operator); PostgreSQL runs
 the one that ignores keys and answers lookups. ``make chaos`` runs all three
 modes on both databases.
 
+The reduced runs are bounded by count, never by the clock: every one of the
+150 calls is made, the 3 kills are paced by the load's progress, the drain
+waits until every effect is settled, and no assertion reads how long anything
+took. A busy machine makes them slower, not different; pytest's timeout is the
+only clock.
+
 The first tests feed the checks hand-made evidence, to show that each one can
 fail: a check that never fails proves nothing.
 """
@@ -31,7 +37,10 @@ from outbox.states import AttemptOutcome, EffectStatus, LookupOutcome, ReviewCho
 
 POSTGRES_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL", "")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-PHASE_SECONDS = 25.0  # per database; the two together stay under a minute
+# Effects still moving this long past their deadline are a breach. ``make chaos``
+# holds the service to one sweep, one lease and one restart; on a machine of unknown
+# speed (a restart can take seconds under load) the suite checks that they settle.
+DEADLINE_TOLERANCE = timedelta(minutes=2)
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -177,12 +186,13 @@ def _reduced(database: str, phase: str, tmp_path: Path, pg_url: str = "") -> Non
         database=database,
         operations=150,
         kills=3,
-        seconds=PHASE_SECONDS,
+        seconds=None,
         seed=7,
         dispatchers=3,
         workers=6,
         run_dir=tmp_path,
         pg_admin_url=pg_url or run.PG_ADMIN_URL_DEFAULT,
+        deadline_tolerance=DEADLINE_TOLERANCE,
     )
     result = run.run_phase(run.PHASES[phase], options, log=lambda _message: None)
     report = "\n".join(
@@ -193,12 +203,13 @@ def _reduced(database: str, phase: str, tmp_path: Path, pg_url: str = "") -> Non
     assert result.ok, report
     figures = result.figures
     assert figures["calls made"] == 150, report
-    assert figures["kills (kill -9)"] >= 3, report
+    assert figures["calls skipped (time bound)"] == 0, report
+    assert figures["kills (kill -9)"] == 3, report
     assert figures["provider faults injected"] > 0, report
     assert figures["outcome_unknown reached"] > 0, report  # the hard path was taken
     assert figures["lost operations"] == 0 and figures["keys minted for retries"] == 0, report
     assert figures["tasks created"] == figures["keys with a valid first call"], report
-    assert figures["phase seconds"] <= PHASE_SECONDS + 5, report
+    assert "drain" not in figures, report  # settled, not cut off by the safety net
 
 
 @pytest.mark.e2e

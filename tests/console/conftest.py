@@ -14,7 +14,7 @@ them in the review queue. No SQL is written by hand. Then the API, with the
 console mounted from its entry point, is served on a loopback port.
 
 Screenshots go to the test's ``tmp_path``. With ``OUTBOX_SCREENSHOTS=<dir>``
-the README images are also copied there (``make``-free:
+the docs' images are also copied there (``make``-free:
 ``OUTBOX_SCREENSHOTS=docs/images .venv/bin/pytest tests/console``).
 """
 

@@ -24,6 +24,7 @@ from outbox.dispatcher import Dispatcher
 from outbox.states import AttemptOutcome, EffectStatus
 from tests.dispatcher.support import attempts, seed, statuses, terminate_backends
 from tests.dispatcher.test_dispatcher import fake
+from tests.support.patience import PATIENCE_S
 
 S = EffectStatus
 
@@ -88,7 +89,7 @@ def _looping(
     thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready})
     thread.start()
     try:
-        assert ready.wait(10)
+        assert ready.wait(PATIENCE_S)
         yield other, thread
     finally:
         dispatcher.request_stop()
@@ -111,8 +112,8 @@ def test_the_loop_outlives_terminated_connections(engine, make_dispatcher) -> No
     _all_delivered(engine, ids)
 
 
-def _wait_for_count(delivered: list[str], count: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_for_count(delivered: list[str], count: int) -> None:
+    deadline = time.monotonic() + PATIENCE_S
     while len(delivered) < count:
         assert time.monotonic() < deadline, "the dispatcher did not deliver in time"
         time.sleep(0.05)
@@ -121,10 +122,10 @@ def _wait_for_count(delivered: list[str], count: int, timeout: float = 15.0) -> 
 def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispatcher) -> None:
     """The LISTEN connection dies with the others: the loop notices (no busy
     loop on the dead socket), connects again, and a NOTIFY wakes it with the
-    poll a minute away."""
+    poll far away (longer than any wait here)."""
     delivered, step = _delivering()
     passes: list[int] = []
-    dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=60)
+    dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=PATIENCE_S * 10)
     real_run_once = dispatcher.run_once
 
     def counting(now=None):  # type: ignore[no-untyped-def]
@@ -133,17 +134,17 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
 
     dispatcher.run_once = counting  # type: ignore[method-assign]
     with _looping(engine, dispatcher) as (other, _thread):
-        assert dispatcher._listening.wait(10)
+        assert dispatcher._listening.wait(PATIENCE_S)
         assert terminate_backends(engine) >= 1
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         while dispatcher._listening.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)  # the loop finds the socket closed and drops it
         assert not dispatcher._listening.is_set(), "the lost LISTEN connection went unnoticed"
         # The loop connects again by itself: its next attempt, not the poll, ends its wait.
-        assert dispatcher._listening.wait(10), "the LISTEN connection did not come back"
+        assert dispatcher._listening.wait(PATIENCE_S), "the LISTEN connection did not come back"
         time.sleep(0.3)
         before = len(passes)
         ids = seed(other, 2, now=schema.utcnow())
-        _wait_for_count(delivered, 2, timeout=10)
+        _wait_for_count(delivered, 2)
         assert len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
     _all_delivered(engine, ids)

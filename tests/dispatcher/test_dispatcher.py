@@ -14,6 +14,7 @@ from adapters.testing import FakeAdapter
 from outbox import faults, metrics, schema, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
+from tests.support.patience import PATIENCE_S
 
 S = EffectStatus
 HONOURS = adapters.Capabilities(True, True, 2.0)
@@ -398,16 +399,21 @@ def test_leases_are_renewed_while_a_delivery_is_slow(engine, make_dispatcher) ->
     thread = threading.Thread(target=dispatcher.run, kwargs={"once": True})
     thread.start()
     try:
-        assert started.wait(10)
+        assert started.wait(PATIENCE_S)
         first = row(engine, effect_id).lease_expires_at
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         while row(engine, effect_id).lease_expires_at <= first + timedelta(seconds=0.3):
             assert time.monotonic() < deadline, "the lease was never renewed"
             time.sleep(0.05)
         # Past the original lease, the row is still ours: nobody else may take it.
-        while schema.utcnow() < first + timedelta(seconds=0.2):
-            time.sleep(0.05)
-        assert store.expire_leases(engine, capabilities_for=lambda _: HONOURS, max_attempts=5) == 0
+        # (The sweep is given that moment, rather than waiting for the clock to reach it.)
+        past_the_first = first + timedelta(seconds=0.2)
+        assert (
+            store.expire_leases(
+                engine, capabilities_for=lambda _: HONOURS, max_attempts=5, now=past_the_first
+            )
+            == 0
+        )
     finally:
         release.set()
         thread.join(10)
@@ -421,7 +427,7 @@ def test_stop_lets_in_flight_deliveries_finish_within_the_grace(engine, make_dis
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
-        assert started.wait(10)
+        assert started.wait(PATIENCE_S)
         dispatcher.request_stop()
         time.sleep(0.1)
         release.set()
@@ -444,7 +450,7 @@ def test_stop_releases_what_the_grace_did_not_cover(engine, make_dispatcher, hon
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
-        assert started.wait(10)
+        assert started.wait(PATIENCE_S)
         dispatcher.request_stop()
         thread.join(10)
         assert not thread.is_alive()
@@ -472,6 +478,11 @@ def test_stop_releases_what_the_grace_did_not_cover(engine, make_dispatcher, hon
     assert len(adapter.calls) == 1
 
 
+# Longer than any wait below: a row delivered within the patience was woken by its
+# NOTIFY, never by the poll, however slow the machine.
+POLL_NEVER_S = PATIENCE_S * 10
+
+
 def test_notify_wakes_the_dispatcher_without_waiting_for_the_poll(
     engine, backend, make_dispatcher
 ) -> None:
@@ -483,15 +494,15 @@ def test_notify_wakes_the_dispatcher_without_waiting_for_the_poll(
         delivered.set()
         return DeliveryResult.delivered("ref", status_code=201)
 
-    dispatcher = make_dispatcher(fake(step), poll_interval=60)
+    dispatcher = make_dispatcher(fake(step), poll_interval=POLL_NEVER_S)
     ready = threading.Event()
     thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready})
     thread.start()
     try:
-        assert ready.wait(10)
+        assert ready.wait(PATIENCE_S)
         time.sleep(0.3)  # the first pass found nothing; the next poll is a minute away
         seed(engine, 1, now=schema.utcnow())
-        assert delivered.wait(5), "the NOTIFY did not wake the dispatcher"
+        assert delivered.wait(PATIENCE_S), "the NOTIFY did not wake the dispatcher"
     finally:
         dispatcher.request_stop()
         thread.join(10)
@@ -511,15 +522,17 @@ def test_a_row_inserted_during_a_pass_is_claimed_without_waiting_for_the_poll(
         return DeliveryResult.delivered("ref-2", status_code=201)
 
     seed(engine, 1, now=schema.utcnow(), prefix="first")
-    dispatcher = make_dispatcher(fake(blocking_step(started, release), later), poll_interval=60)
+    dispatcher = make_dispatcher(
+        fake(blocking_step(started, release), later), poll_interval=POLL_NEVER_S
+    )
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
-        assert started.wait(10)
+        assert started.wait(PATIENCE_S)
         # Committed while the pass that claimed the first row is still delivering.
         seed(engine, 1, now=schema.utcnow(), prefix="second")
         release.set()
-        assert second.wait(5), "the row's NOTIFY was lost; it waited for the poll"
+        assert second.wait(PATIENCE_S), "the row's NOTIFY was lost; it waited for the poll"
     finally:
         release.set()
         dispatcher.request_stop()
@@ -550,16 +563,16 @@ def test_with_listen_up_a_short_pass_waits_for_the_next_notify(
         delivered.set()
         return DeliveryResult.delivered("ref", status_code=201)
 
-    dispatcher = make_dispatcher(fake(step), poll_interval=60)
+    dispatcher = make_dispatcher(fake(step), poll_interval=POLL_NEVER_S)
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
-        assert dispatcher._listening.wait(10)
+        assert dispatcher._listening.wait(PATIENCE_S)
         time.sleep(0.3)  # the passes LISTEN's first wake-up asked for are over
         before = len(claims)
         seed(engine, 1, now=schema.utcnow())
-        assert delivered.wait(5)
-        deadline = time.monotonic() + 5
+        assert delivered.wait(PATIENCE_S)
+        deadline = time.monotonic() + PATIENCE_S
         while statuses(engine) != {S.SUCCEEDED: 1} and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)
@@ -576,14 +589,14 @@ def test_with_listen_up_a_full_pass_goes_again_at_once(engine, backend, make_dis
     if backend != "postgres":
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's; SQLite polls")
     adapter = fake()
-    dispatcher = make_dispatcher(adapter, poll_interval=60, claim_batch_size=2)
+    dispatcher = make_dispatcher(adapter, poll_interval=POLL_NEVER_S, claim_batch_size=2)
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
-        assert dispatcher._listening.wait(10)
+        assert dispatcher._listening.wait(PATIENCE_S)
         time.sleep(0.3)
         seed(engine, 7, now=schema.utcnow())  # one commit, one NOTIFY, four batches
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + PATIENCE_S
         while statuses(engine) != {S.SUCCEEDED: 7} and time.monotonic() < deadline:
             time.sleep(0.02)
         assert statuses(engine) == {S.SUCCEEDED: 7}, "the loop waited for the poll"

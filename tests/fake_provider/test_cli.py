@@ -18,11 +18,12 @@ import pytest
 
 from fake_provider import FaultSpecError, Outcome
 from fake_provider.__main__ import main, parse_fault_spec
+from tests.support.patience import PATIENCE_S
 
 from .conftest import ticket_body
 
 REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_SECONDS = 20
+START_TIMEOUT_SECONDS = PATIENCE_S
 
 
 def free_port() -> int:
@@ -139,7 +140,7 @@ def test_kill_9_while_the_reply_is_held_keeps_the_committed_ticket(tmp_path: Pat
 
         sender = threading.Thread(target=send)
         sender.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         while not client.get("/_admin/effects").json()["effects"]:
             assert time.monotonic() < deadline, "the ticket was never committed"
             time.sleep(0.01)
@@ -225,7 +226,7 @@ def test_serve_applies_its_flags_and_stops_cleanly(tmp_path: Path, signum: int) 
         assert limited.status_code == 429
         assert limited.headers["Retry-After"] == "9"
         provider.process.send_signal(signum)
-        assert provider.process.wait(10) == 0
+        assert provider.process.wait(PATIENCE_S) == 0
 
 
 def test_python_dash_m_help() -> None:

@@ -36,3 +36,16 @@ def test_demo_story_runs_and_its_invariants_hold():
     ):
         assert line in out, f"missing {line!r} in:\n{out}"
     assert out.count("tickets=1 status=succeeded ok") == 3
+    # It ends by saying where to go next: the API, the console and who signs in, the queue.
+    next_steps = out.split("== What to open next ==", 1)[1]
+    for pointer in ("make run", "/v1", "/console/sign-in", "operator token", "/console/queue"):
+        assert pointer in next_steps, f"missing {pointer!r} in the closing lines:\n{next_steps}"
+
+
+def test_make_demo_says_what_it_installs_and_does() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    demo = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    # The demo needs the service only, not the development tools.
+    assert "$(STAMP_BASE)" in demo and "@echo" in demo
+    install = makefile.split("\n$(STAMP_BASE):", 1)[1].split("\n\n", 1)[0]
+    assert "about a minute" in install and "-q" not in install.replace("-q -U pip", "")

@@ -24,6 +24,7 @@ from outbox import db, metrics, schema, settings
 from outbox.api import create_app
 from outbox.dispatcher import Dispatcher
 from outbox.service import Outbox
+from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread
 
 TOOL = "create_support_task"
@@ -51,7 +52,7 @@ def scrape(http: httpx.Client) -> Samples:
 
 def wait_for_gauge(http: httpx.Client, name: str, expected: float, **labels: str) -> Samples:
     """Backlog gauges are cached for a second per scrape: poll, bounded."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE_S
     while True:
         samples = scrape(http)
         if (name, frozenset(labels.items())) in samples and value(

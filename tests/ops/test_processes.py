@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fake_provider import ProviderConfig, create_app
 from outbox import db, schema, settings
 from outbox.service import Outbox
+from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,7 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(timeout, PATIENCE_S)
     while True:
         value = predicate()
         if value:
@@ -196,7 +197,7 @@ def test_dispatcher_serves_metrics_and_health_and_logs_each_attempt_as_json(
         assert sample(scraped, "outbox_review_queue") == 0
         assert_health_and_readiness(base_url, sqlite_url)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, log.read_text()
+        assert proc.wait(PATIENCE_S) == 0, log.read_text()
 
     text = log.read_text()
     lines = json_lines(text)
@@ -245,7 +246,7 @@ def test_reconciler_serves_metrics_and_health_and_counts_each_sweep(
         assert sample(scraped, "outbox_review_queue") == 0
         assert_health_and_readiness(base_url, sqlite_url)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, log.read_text()
+        assert proc.wait(PATIENCE_S) == 0, log.read_text()
     messages = [line["message"] for line in json_lines(log.read_text())]
     assert any(m.startswith("reconciler started") for m in messages)
     assert "reconciler stopped" in messages
@@ -307,6 +308,13 @@ def test_outbox_dev_delivers_a_task_and_leaves_no_child_on_sigterm(tmp_path: Pat
         pids = {m[1]: int(m[2]) for m in out.find(r"started (\w+) pid (\d+)")}
         assert set(pids) == {"provider", "api", "dispatcher", "reconciler"}
         token = out.find(r"agent token: (\S+)")[0][1]
+        operator = out.find(r"operator token: (\S+)")[0][1]
+        # The banner says where to go next: the console, who signs in, the review queue.
+        assert out.find(rf"^Console +http://127\.0\.0\.1:{api_port}/console/sign-in")
+        assert out.find(
+            rf"^Review +http://127\.0\.0\.1:{api_port}/console/queue .*outbox review list"
+        )
+        assert operator.startswith("obx_") and operator != token
         api = f"http://127.0.0.1:{api_port}"
         wait_for(
             lambda: (r := get(f"{api}/readyz")) is not None and r.status_code == 200, 30, "the API"
@@ -330,7 +338,7 @@ def test_outbox_dev_delivers_a_task_and_leaves_no_child_on_sigterm(tmp_path: Pat
         wait_for(lambda: out.find(r"^reconciler +\| .*reconciler started"), 30, "the reconciler")
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(PATIENCE_S) == 0
         out.join()
         gone = [name for name, pid in pids.items() if alive(pid)]
         assert not gone, f"children left running: {gone}"

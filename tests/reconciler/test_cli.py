@@ -4,11 +4,13 @@ with exit codes a script can act on."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,18 +19,24 @@ import pytest
 from outbox import Outbox, cli, errors, schema, states
 from tests.conftest import Clock
 from tests.reconciler.support import create_effect, put_unknown, row, rows, snapshot, update
+from tests.support.patience import PATIENCE_S
 
 S = states.EffectStatus
 
 
 @pytest.fixture
-def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Any:
+def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
     def invoke(*argv: str) -> tuple[int, str, str]:
         code = cli.main(["--database-url", db_url, *argv])
         out, err = capsys.readouterr()
         return code, out, err
 
-    return invoke
+    # `reconciler` configures the root logger, as a process does: put pytest's back.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield invoke
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
@@ -150,6 +158,20 @@ def test_reconciler_once_runs_every_sweep_and_says_what_it_did(
     ]
 
 
+def test_reconciler_once_logs_json_lines_that_carry_the_operation_id(
+    run: Any, box: Outbox, clock: Clock
+) -> None:
+    late = create_effect(box, operation_id="op-late")
+    update(box.engine, late, deadline_at=clock() - timedelta(seconds=1))
+    code, _, err = run("reconciler", "--once", "--log-format", "json")
+    assert code == 0
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
+    (deadline,) = [d for d in lines if "past its deadline" in d["message"]]
+    assert deadline["operation_id"] == "op-late"
+    assert (deadline["tenant"], deadline["effect_id"]) == ("acme", late)
+    assert deadline["sweep"] == "enforce_deadlines"
+
+
 def test_reconciler_stops_cleanly_on_sigterm(sqlite_url: str) -> None:
     env = os.environ | {"OUTBOX_SWEEP_INTERVAL": "0.1", "OUTBOX_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(
@@ -161,7 +183,7 @@ def test_reconciler_stops_cleanly_on_sigterm(sqlite_url: str) -> None:
     )
     try:
         assert proc.stderr is not None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE_S
         seen = []
         while time.monotonic() < deadline:
             line = proc.stderr.readline()

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from adapters import Registry
 from outbox import Outbox
 from reconciler import scheduler, sweeps
+from tests.support.patience import PATIENCE_S
 
 
 class Scripted:
@@ -53,7 +54,7 @@ def test_every_sweep_runs_and_a_failed_pass_is_retried() -> None:
     thread = threading.Thread(target=process.run, args=(stop,))
     thread.start()
     try:
-        assert done.wait(10), reports
+        assert done.wait(PATIENCE_S), reports
     finally:
         stop.set()
         thread.join(10)

@@ -15,6 +15,8 @@ from typing import Any
 
 import uvicorn
 
+from tests.support.patience import PATIENCE_S
+
 
 class _Server(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # a thread must not steal SIGINT
@@ -34,7 +36,7 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Iter
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE_S
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")

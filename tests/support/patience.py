@@ -1,0 +1,14 @@
+"""How long a test waits for what another thread or process will do.
+
+A limit here is a safety net for a broken build, never a measurement: a test
+waits for the event itself (a row, a log line, a reply) and gives up only after
+``PATIENCE_S``, which is long enough for a 2-core machine shared with much
+other work (a process start can take a minute there). A test that
+must show something happened *before* something else (a NOTIFY before the
+poll, a grace before a provider's hold) compares with that other thing, made
+longer than the patience, not with a guess at the machine's speed.
+"""
+
+from __future__ import annotations
+
+PATIENCE_S = 120.0
