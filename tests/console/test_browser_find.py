@@ -9,12 +9,19 @@ first leaks through a search, a pasted link or a plot.
 
 from __future__ import annotations
 
+import random
 import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
+import adapters
+from adapters import DeliveryRequest, DeliveryResult
+from adapters.testing import FakeAdapter
+from outbox import Outbox, schema, settings
 from outbox.api import create_app
+from outbox.dispatcher import Dispatcher
 from tests.console.conftest import LAPTOP, Console
 from tests.support.servers import serve_in_thread
 
@@ -28,6 +35,71 @@ def _search(page: Any, text: str) -> None:
     box.fill(text)
     box.press("Enter")
     page.wait_for_url("**/console/search?q=*")
+
+
+SERIES = ("delivered", "retried", "unknown", "failed")
+
+
+def _answer(request: DeliveryRequest) -> DeliveryResult:
+    kind = request.operation_id.split("-")[1]
+    if kind == "retry" and request.attempt == 1:
+        return DeliveryResult.not_sent("ConnectError: connection refused")
+    if kind == "unknown":
+        return DeliveryResult.ambiguous("ReadTimeout: no reply after the send")
+    if kind == "fail":
+        return DeliveryResult.permanent("subject too long", status_code=422)
+    return DeliveryResult.delivered(f"T-{request.operation_id}", status_code=201)
+
+
+def _a_day_of_traffic(console: Console) -> dict[str, dict[str, int]]:
+    """Attempts spread over the last day, made by the real dispatcher at past times.
+
+    Returns what the hour and the day plots must add up to, per series.
+    """
+    now = schema.utcnow()
+    adapter = FakeAdapter("helpdesk", adapters.Capabilities(False, False))
+    registry = adapters.Registry([adapter])
+    config = settings.load(concurrency=1)
+    minutes = sorted({*range(2, 55, 4), *range(60, 23 * 60, 37)}, reverse=True)
+    expected = {w: dict.fromkeys(SERIES, 0) for w in ("hour", "day")}
+    for i, ago in enumerate(minutes):
+        at = now - timedelta(minutes=ago)
+        kinds = ["deliver"] * (1 + i % 3)
+        kinds += ["retry"] if i % 4 == 0 else []
+        kinds += ["unknown"] if i % 7 == 3 else []
+        kinds += ["fail"] if i % 11 == 5 else []
+        with Outbox(engine=console.box.engine, clock=lambda at=at: at, check_schema=False) as then:
+            for k, kind in enumerate(kinds):
+                then.execute(
+                    "acme", f"hist-{kind}-{i}-{k}", "create_support_task", {"subject": kind}
+                )
+        adapter.push(*[_answer] * len(kinds))
+        dispatcher = Dispatcher(console.box.engine, registry, config, rng=random.Random(i))
+        try:
+            assert dispatcher.run_once(now=at) == len(kinds)
+            if "retry" in kinds:
+                adapter.push(_answer)
+                assert dispatcher.run_once(now=at + timedelta(minutes=1)) == 1
+        finally:
+            dispatcher.close()
+        for window in ("hour", "day") if ago < 55 else ("day",):
+            counts = expected[window]
+            counts["delivered"] += kinds.count("deliver") + kinds.count("retry")
+            counts["retried"] += kinds.count("retry")
+            counts["unknown"] += kinds.count("unknown")
+            counts["failed"] += kinds.count("fail")
+    return expected
+
+
+def _plotted(page: Any, window: str) -> dict[str, int]:
+    svg = page.get_by_test_id(f"plot-helpdesk-{window}").locator("svg")
+    return {
+        series: sum(
+            int(r.get_attribute("data-count") or 0)
+            for r in svg.locator(f"rect[data-series={series}]").all()
+        )
+        for series in SERIES
+    }
 
 
 def _delivered(console: Console) -> Any:
@@ -148,21 +220,23 @@ def test_the_overview_plots_each_adapter_over_the_hour_and_the_day(
     page.get_by_role("navigation").get_by_role("link", name="Overview").click()
     page.wait_for_url("**/console/overview")
     for window in ("hour", "day"):
-        plot = page.get_by_test_id(f"plot-helpdesk-{window}")
-        svg = plot.locator("svg")
+        svg = page.get_by_test_id(f"plot-helpdesk-{window}").locator("svg")
         assert svg.get_attribute("role") == "img"
         # One delivered ticket and two lost replies, all in the current bucket.
-        counts = {
-            series: sum(
-                int(r.get_attribute("data-count") or 0)
-                for r in svg.locator(f"rect[data-series={series}]").all()
-            )
-            for series in ("delivered", "retried", "unknown", "failed")
-        }
-        assert counts == {"delivered": 1, "retried": 0, "unknown": 2, "failed": 0}, window
+        assert _plotted(page, window) == {"delivered": 1, "retried": 0, "unknown": 2, "failed": 0}
         box = svg.bounding_box()
         assert box is not None and box["width"] > 200 and box["height"] > 80
         assert "1 delivered, 0 retried, 2 unknown, 0 failed" in svg.locator("desc").text_content()
+
+    # A day of traffic behind it: every attempt lands in its window, once.
+    expected = _a_day_of_traffic(console)
+    page.reload()
+    for window in ("hour", "day"):
+        now = {"delivered": 1, "retried": 0, "unknown": 2, "failed": 0}
+        want = {k: v + now[k] for k, v in expected[window].items()}
+        assert _plotted(page, window) == want, window
+    columns = page.get_by_test_id("plot-helpdesk-day").locator("rect[data-series=delivered]")
+    assert columns.count() >= 20  # spread over the day, not piled in one bucket
     console.screenshot(page, "console-overview", readme=True, full=True)
 
 
