@@ -7,8 +7,10 @@ edges are aligned to the bucket width, so two reloads a few seconds apart draw
 the same bars. Every attempt that finished is put in one series:
 
 - ``delivered``: the provider confirmed it (``delivered``);
-- ``retried``: it did not go through and was scheduled again (``not_sent``,
-  ``retryable``);
+- ``retried``: the provider was not reached, or said to try later
+  (``not_sent``, ``retryable``): answers that normally lead to another attempt
+  (at a provider that ignores keys, one that may have been acted on goes to
+  review instead);
 - ``unknown``: a send may have happened and nobody knows (``ambiguous``,
   ``abandoned``): what can end in the review queue;
 - ``failed``: it cannot go through (``permanent``, ``adapter_error``).
