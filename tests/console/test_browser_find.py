@@ -204,6 +204,7 @@ def test_a_pasted_link_survives_a_restart_and_comes_back_after_sign_in(
         alert = again.get_by_role("alert")
         assert "the console restarted since you signed in" in alert.inner_text()
         assert again.evaluate("document.activeElement.id") == "page-alert"
+        console.screenshot(again, "console-signed-out", readme=True, full=False)
         again.get_by_label("Operator token").fill(console.alice)
         again.get_by_role("button", name="Sign in").click()
         again.wait_for_url(f"**{link}")
