@@ -484,24 +484,25 @@ class Console:
         if effect_id is None:
             sign = self._signed_in(request)
             if sign is None:
-                return self._to_sign_in(request)
+                return self._signed_out(request)
             return self._bad_effect_id(sign, effect_id_text)
         return self.resolve(request, effect_id, form)
+
+    def _signed_out(self, request: Request) -> Response:
+        """A POST without a session: nothing changed, and why the session is gone."""
+        ended = self._ended(request)
+        cause = session.ENDED_MESSAGES.get(
+            ended or session.Ended.MISSING,
+            "This browser has no session here: you signed out, or never signed in.",
+        )
+        return self._message(
+            None, 401, "Signed out", pages.Alert.of("Nothing changed: you are signed out.", cause)
+        )
 
     def resolve(self, request: Request, effect_id: int, form: FormData) -> Response:
         sign = self._signed_in(request)
         if sign is None:
-            ended = self._ended(request)
-            cause = session.ENDED_MESSAGES.get(
-                ended or session.Ended.MISSING,
-                "This browser has no session here: you signed out, or never signed in.",
-            )
-            return self._message(
-                None,
-                401,
-                "Signed out",
-                pages.Alert.of("Nothing changed: you are signed out.", cause),
-            )
+            return self._signed_out(request)
         if not self.signer.check_csrf(sign[0], form.get("csrf")):
             return self._refused(sign, form.get("csrf"))
         me = sign[1]

@@ -440,6 +440,28 @@ def test_sign_in_says_revoked_or_unknown(site: Site) -> None:
     _assert_alert_first(refused.text, "That token was revoked at 2026-01-01 12:00:00 UTC")
 
 
+def test_a_sign_in_form_without_its_cookie_says_so(site: Site) -> None:
+    page = site.client.get("/console/sign-in")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert csrf is not None
+    site.client.cookies.clear()  # blocked, or expired after an hour
+    refused = site.client.post(
+        "/console/sign-in", data={"csrf": csrf.group(1), "token": site.tokens["acme-operator"]}
+    )
+    assert refused.status_code == 403
+    _assert_alert_first(refused.text, "The sign-in form expired or its cookie was not sent")
+    assert "outbox_console=" not in refused.headers.get("set-cookie", "")
+
+
+def test_a_post_without_a_session_says_nothing_changed(history: Site) -> None:
+    effect = history.effect(ACME, "unknown-1")
+    for path in (f"/console/items/{effect.id}/resolve", "/console/items/abc/resolve"):
+        posted = history.client.post(path, data={"csrf": "x", "confirm": "yes"})
+        assert posted.status_code == 401, path
+        _assert_alert_first(posted.text, "Nothing changed: you are signed out.")
+    assert history.effect(ACME, "unknown-1").status == "outcome_unknown"
+
+
 def test_a_session_of_a_revoked_token_says_so(history: Site) -> None:
     history.sign_in()
     history.box.revoke_token(history.tokens["acme-operator"])
