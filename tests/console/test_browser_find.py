@@ -22,7 +22,7 @@ from adapters.testing import FakeAdapter
 from outbox import Outbox, schema, settings
 from outbox.api import create_app
 from outbox.dispatcher import Dispatcher
-from tests.console.conftest import LAPTOP, Console
+from tests.console.conftest import LAPTOP, PHONE, Console
 from tests.support.servers import serve_in_thread
 
 pytestmark = pytest.mark.browser
@@ -287,3 +287,16 @@ def test_after_success_the_last_error_is_history(console: Console, browser: Any)
     assert "None now: it succeeded" in page.get_by_test_id("earlier-errors").inner_text()
     # The error is still on the attempt it belongs to.
     assert "RemoteProtocolError" in page.get_by_test_id("attempts").inner_text()
+
+
+def test_search_and_the_plots_fit_a_phone(console: Console, browser: Any) -> None:
+    page = console.new_page(browser, viewport=PHONE)
+    console.sign_in(page, console.alice, "Alice")
+    effect = console.effect(console.unknown_ids[0])
+    _search(page, effect.effect_key)
+    assert page.get_by_test_id("hits").get_by_role("link", name=f"Effect #{effect.id}").count()
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    page.goto("/console/overview")
+    assert page.locator("figure.plot").count() == 2
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    console.screenshot(page, "overview-phone")
