@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import jinja2
 from starlette.responses import HTMLResponse
 
 from reconciler import review
+from reconciler.console import plots
 
 # Every page: no inline script or style, no framing, nothing cached, no referrer.
 SECURITY_HEADERS = {
@@ -79,6 +81,38 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """What went wrong, shown first on the page and focused when it loads.
+
+    ``summary`` says what failed; each detail is one real cause, with the id
+    of the field it is about when there is one (the detail links to it).
+    """
+
+    summary: str
+    details: tuple[tuple[str, str | None], ...] = ()
+    tone: str = "error"  # "error" or "warn"
+
+    @classmethod
+    def of(cls, summary: str, *causes: str, tone: str = "error") -> Alert:
+        return cls(summary, tuple((c, None) for c in causes), tone)
+
+
+def operation_url(operation_id: str) -> str:
+    """The operation's page: one path segment, every reserved character escaped.
+
+    An id that a browser would read as a dot segment (``.``, ``..``) goes in
+    the query instead, where nothing rewrites it.
+    """
+    if operation_id in ("", ".", ".."):
+        return "/console/operations?" + urlencode({"id": operation_id})
+    return "/console/operations/" + quote(operation_id, safe="")
+
+
+def effect_url(effect_id: int) -> str:
+    return f"/console/items/{effect_id}"
+
+
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("reconciler.console", "templates"),
@@ -87,8 +121,19 @@ def environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(age=age, when=when, iso=iso, pretty_json=pretty_json)
-    env.globals.update(group_labels=GROUP_LABELS, choice_labels=CHOICE_LABELS)
+    env.filters.update(
+        age=age,
+        when=when,
+        iso=iso,
+        pretty_json=pretty_json,
+        operation_url=operation_url,
+        effect_url=effect_url,
+        plot_svg=plots.svg,
+        plot_text=plots.describe,
+    )
+    env.globals.update(
+        group_labels=GROUP_LABELS, choice_labels=CHOICE_LABELS, plot_series=plots.SERIES
+    )
     return env
 
 

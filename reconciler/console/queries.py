@@ -43,6 +43,113 @@ def principal_for(engine: Engine, token_sha256: str) -> Principal | None:
     return Principal(tenant=row.tenant, role=states.Role(row.role), token_id=row.id)
 
 
+def revoked_at(engine: Engine, token_sha256: str) -> datetime | None:
+    """When the token with this hash was revoked; None if it is unknown or still valid."""
+    t = schema.api_tokens
+    with db.read(engine) as conn:
+        value: datetime | None = conn.execute(
+            sa.select(t.c.revoked_at).where(t.c.token_sha256 == token_sha256)
+        ).scalar()
+    return value
+
+
+# --- search -------------------------------------------------------------------
+
+SEARCH_MAX = 500  # the longest provider reference the schema keeps
+SEARCH_LIMIT = 50  # per kind of match
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One thing the search text names exactly, in the operator's tenant."""
+
+    kind: str  # "operation" or "effect"
+    matched: str  # what it matched: "operation id", "effect key", "provider reference"
+    operation_id: str
+    effect_id: int | None = None
+    effect: str | None = None
+    adapter: str | None = None
+    status: str | None = None
+    detail: str = ""  # where the reference was seen, when not on the effect itself
+
+
+def search(engine: Engine, tenant: str, text: str) -> list[Hit]:
+    """Operations and effects whose operation id, effect key or provider reference is
+    exactly ``text``, in ``tenant`` only: another tenant's key finds nothing.
+
+    Operation ids and effect keys are indexed. Provider references are not (a
+    lookup by reference is an operator's rare question, not a hot path): that
+    part reads the tenant's effects, their attempts and lookups.
+    """
+    ops, tomb, out = schema.operations, schema.tombstones, schema.outbox
+    att, lk = schema.attempts, schema.lookups
+    effect_cols = (out.c.id, out.c.operation_id, out.c.effect, out.c.adapter, out.c.status)
+    hits: list[Hit] = []
+    seen: set[int] = set()
+
+    def effects(rows: Any, matched: str, detail: Any = None) -> None:
+        for r in rows:
+            if r.id in seen:
+                continue
+            seen.add(r.id)
+            where = detail(r) if detail else ""
+            hits.append(
+                Hit("effect", matched, r.operation_id, r.id, r.effect, r.adapter, r.status, where)
+            )
+
+    with db.read(engine) as conn:
+        op = conn.execute(
+            sa.select(ops.c.operation_id, ops.c.tool, ops.c.status_code).where(
+                ops.c.tenant == tenant, ops.c.operation_id == text
+            )
+        ).first()
+        if op is not None:
+            hits.append(Hit("operation", "operation id", op.operation_id, detail=op.tool))
+        elif conn.execute(
+            sa.select(tomb.c.operation_id).where(
+                tomb.c.tenant == tenant, tomb.c.operation_id == text
+            )
+        ).first():
+            hits.append(Hit("operation", "operation id", text, status="expired"))
+        mine = out.c.tenant == tenant
+        effects(
+            conn.execute(sa.select(*effect_cols).where(mine, out.c.effect_key == text)),
+            "effect key",
+        )
+        effects(
+            conn.execute(
+                sa.select(*effect_cols)
+                .where(mine, out.c.provider_ref == text)
+                .order_by(out.c.id)
+                .limit(SEARCH_LIMIT)
+            ),
+            "provider reference",
+        )
+        effects(
+            conn.execute(
+                sa.select(*effect_cols, att.c.attempt_no)
+                .select_from(att.join(out, att.c.effect_id == out.c.id))
+                .where(mine, att.c.provider_ref == text)
+                .order_by(out.c.id, att.c.attempt_no)
+                .limit(SEARCH_LIMIT)
+            ),
+            "provider reference",
+            lambda r: f"reported by attempt {r.attempt_no}",
+        )
+        effects(
+            conn.execute(
+                sa.select(*effect_cols)
+                .select_from(lk.join(out, lk.c.effect_id == out.c.id))
+                .where(mine, lk.c.provider_ref == text)
+                .order_by(out.c.id)
+                .limit(SEARCH_LIMIT)
+            ),
+            "provider reference",
+            lambda r: "found by a lookup",
+        )
+    return hits
+
+
 @dataclass(frozen=True, slots=True)
 class Filters:
     tenant: str

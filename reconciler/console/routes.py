@@ -1,4 +1,5 @@
-"""The console's routes: sign-in, queue, item, resolve (with its confirmation), overview.
+"""The console's routes: sign-in, queue, item, resolve (with its confirmation), overview,
+search and the operation page.
 
 Every page re-reads the operator's token (a revoked token stops working at the
 next click) and sees only the token's tenant, as ``/v1/review`` does. Every
@@ -14,6 +15,12 @@ the state the operator saw (``expected_status``, ``expected_attempts``) and an
   acting twice;
 - a form that went stale (someone else, or a lookup, settled the item first)
   gets ``ReviewConflict``, and the page shows what happened instead.
+
+Every item has a link that survives a restart and can be pasted: an effect is
+``/console/items/<id>``, an operation ``/console/operations/<operation id>``
+(escaped). Signed out, the link goes through sign-in and back. A page that
+fails says so first, in an alert that takes the focus, with the real cause:
+which field, which token, which database error.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Path, Request
+from sqlalchemy import exc as sa_exc
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.responses import RedirectResponse, Response
@@ -34,7 +42,7 @@ from outbox import errors, ordering, states
 from outbox import settings as outbox_settings
 from outbox.service import Outbox, Principal, hash_token
 from reconciler import bulk, review
-from reconciler.console import pages, queries, session
+from reconciler.console import pages, plots, queries, session
 
 PREFIX = "/console"
 BLOCKED_LABELS = {
@@ -97,6 +105,39 @@ def _see_other(url: str) -> RedirectResponse:
     return RedirectResponse(url, status_code=303, headers={"Cache-Control": "no-store"})
 
 
+def _effect_id(text: str) -> int | None:
+    """An effect id from a pasted URL, or None when it cannot be one."""
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        return None
+    value = int(text)
+    return value if 1 <= value <= MAX_EFFECT_ID else None
+
+
+def _database_cause(exc: sa_exc.DBAPIError) -> str:
+    """The driver's own words, first line only: no SQL, no parameters."""
+    orig = exc.orig if exc.orig is not None else exc
+    kind = type(orig)
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{kind.__module__}.{kind.__qualname__}: {first}"
+
+
+FIELD_ANCHORS = {
+    "choice": "choice-happened",
+    "provider_ref": "provider_ref",
+    "reason": "reason",
+    "tenant": "f-tenant",
+    "group": "f-group",
+    "min_age": "f-min-age",
+    "q": "search-q",
+}
+
+
+def _problems_alert(summary: str, problems: Mapping[str, str]) -> pages.Alert:
+    return pages.Alert(
+        summary, tuple((message, FIELD_ANCHORS.get(f)) for f, message in problems.items())
+    )
+
+
 class Console:
     """The routes, with the per-process signing secret and the template renderer."""
 
@@ -109,15 +150,24 @@ class Console:
     # --- sessions ------------------------------------------------------------------
 
     def _signed_in(self, request: Request) -> tuple[session.Session, Me] | None:
-        """The session and its operator, or None. Reads the token row (threadpool)."""
+        """The session and its operator, or None. Reads the token row (threadpool).
+
+        Why there is none is kept on the request, for the page that says so.
+        """
         box = _box(request)
-        found = self.signer.read(request.cookies.get(session.SESSION_COOKIE), box.clock())
+        found, ended = self.signer.check(request.cookies.get(session.SESSION_COOKIE), box.clock())
+        request.state.console_ended = ended
         if found is None:
             return None
         principal = queries.principal_for(box.engine, found.token_sha256)
         if principal is None or principal.role != states.Role.OPERATOR:
+            request.state.console_ended = session.Ended.REVOKED
             return None
         return found, Me(principal.tenant, principal.token_id, found.name)
+
+    def _ended(self, request: Request) -> session.Ended | None:
+        ended: session.Ended | None = getattr(request.state, "console_ended", None)
+        return ended
 
     def _cookie(
         self, response: Response, request: Request, name: str, value: str, age: int
@@ -143,7 +193,11 @@ class Console:
 
     def _to_sign_in(self, request: Request) -> RedirectResponse:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return _see_other(f"{PREFIX}/sign-in?next={quote(target, safe='')}")
+        query = {"next": target}
+        ended = self._ended(request)
+        if ended is not None and ended is not session.Ended.MISSING:
+            query["ended"] = ended.value
+        return _see_other(f"{PREFIX}/sign-in?{urlencode(query, quote_via=quote)}")
 
     def _page(
         self, template: str, sign: tuple[session.Session, Me] | None, status: int = 200, **ctx: Any
@@ -154,19 +208,56 @@ class Console:
         ctx.setdefault("me", None)
         ctx.setdefault("csrf", "")
         ctx.setdefault("nav", "")
+        ctx.setdefault("alert", None)
+        ctx.setdefault("q", "")
         return self.render.page(template, status, **ctx)
 
-    def _refused(self, sign: tuple[session.Session, Me] | None) -> Response:
-        return self._page(
-            "message.html",
+    def _message(
+        self,
+        sign: tuple[session.Session, Me] | None,
+        status: int,
+        title: str,
+        alert: pages.Alert,
+    ) -> Response:
+        return self._page("message.html", sign, status, title=title, alert=alert)
+
+    def _refused(self, sign: tuple[session.Session, Me] | None, token: object = None) -> Response:
+        if isinstance(token, str) and token:
+            cause = (
+                "The form's security token belongs to another session: you signed in again, "
+                "or the console restarted, after this page was loaded."
+            )
+        else:
+            cause = "The form carried no security token (csrf field)."
+        return self._message(
             sign,
             403,
-            title="Form refused",
-            message=(
-                "This form did not carry the session's security token, so it was refused and "
-                "nothing changed. Reload the page and submit it again."
+            "Form refused",
+            pages.Alert.of(
+                "Nothing changed: the security check on this form failed.",
+                cause,
+                "Reload the page and submit it again.",
             ),
         )
+
+    def _database_error(self, exc: sa_exc.DBAPIError) -> Response:
+        return self._message(
+            None,
+            503,
+            "Database unavailable",
+            pages.Alert.of(
+                "The database did not answer, so this page could not be read and nothing changed.",
+                _database_cause(exc),
+            ),
+        )
+
+    def guarded(self, handler: Any, *args: Any) -> Response:
+        """Run one page; a database failure becomes a page that names it."""
+        try:
+            response: Response = handler(*args)
+        except sa_exc.DBAPIError as exc:
+            return self._database_error(exc)
+        return response
 
     # --- sign-in ---------------------------------------------------------------
 
@@ -180,11 +271,24 @@ class Console:
         name: str = "",
     ) -> Response:
         nonce = self.signer.sign_in_nonce()
+        alert = None
+        if error:
+            alert = pages.Alert.of("You are not signed in.", error)
+        else:
+            try:
+                ended = session.Ended(request.query_params.get("ended", ""))
+            except ValueError:
+                ended = None
+            if ended in session.ENDED_MESSAGES:
+                alert = pages.Alert.of(
+                    "You were signed out.", session.ENDED_MESSAGES[ended], tone="warn"
+                )
         response = self._page(
             "sign_in.html",
             None,
             status,
             title="Sign in",
+            alert=alert,
             error=error,
             notice=notice,
             name=name,
@@ -198,14 +302,23 @@ class Console:
     def sign_in(self, request: Request, form: FormData) -> Response:
         nonce = request.cookies.get(session.SIGN_IN_COOKIE)
         if not self.signer.check_sign_in_csrf(nonce, form.get("csrf")):
-            return self._refused(None)
+            if form.get("csrf") and not nonce:
+                return self.sign_in_page(
+                    request,
+                    status=403,
+                    error=(
+                        "The sign-in form expired or its cookie was not sent (cookies blocked, "
+                        "or the page is older than an hour). This fresh form will work."
+                    ),
+                )
+            return self._refused(None, form.get("csrf"))
         box = _box(request)
         token = _text(form, "token")
         name = _text(form, "name")[: session.NAME_MAX]
         principal: Principal | None = box.authenticate(token) if token else None
         if principal is None:
             return self.sign_in_page(
-                request, status=401, error="That token is unknown or revoked.", name=name
+                request, status=401, error=self._why_refused(box, token), name=name
             )
         if principal.role != states.Role.OPERATOR:
             return self.sign_in_page(
@@ -226,10 +339,23 @@ class Console:
         self._forget(response, request, session.SIGN_IN_COOKIE)
         return response
 
+    def _why_refused(self, box: Outbox, token: str) -> str:
+        """The real reason a token cannot sign in: never typed, revoked, or unknown here."""
+        if not token:
+            return "No token was given: paste an operator token."
+        revoked = queries.revoked_at(box.engine, hash_token(token))
+        if revoked is not None:
+            return f"That token was revoked at {pages.when(revoked)}: ask for a new operator token."
+        return (
+            "That token is unknown to this deployment: no token with that value exists in its "
+            "database. Check that you copied all of it (it starts with obx_) and that this is "
+            "the right console."
+        )
+
     def sign_out(self, request: Request, form: FormData) -> Response:
         sign = self._signed_in(request)
         if sign is not None and not self.signer.check_csrf(sign[0], form.get("csrf")):
-            return self._refused(sign)
+            return self._refused(sign, form.get("csrf"))
         response = _see_other(f"{PREFIX}/sign-in?signed_out=1")
         self._forget(response, request, session.SESSION_COOKIE)
         return response
@@ -270,6 +396,9 @@ class Console:
             "queue.html",
             sign,
             400 if problems else 200,
+            alert=_problems_alert("The filters were not applied as given:", problems)
+            if problems
+            else None,
             title="Review queue",
             nav="queue",
             queue=found,
@@ -280,10 +409,13 @@ class Console:
 
     # --- one item ----------------------------------------------------------------
 
-    def item(self, request: Request, effect_id: int) -> Response:
+    def item(self, request: Request, effect_id_text: str) -> Response:
         sign = self._signed_in(request)
         if sign is None:
             return self._to_sign_in(request)
+        effect_id = _effect_id(effect_id_text)
+        if effect_id is None:
+            return self._bad_effect_id(sign, effect_id_text)
         done = request.query_params.get("done")
         return self._item_page(
             _box(request),
@@ -294,12 +426,25 @@ class Console:
         )
 
     def _not_found(self, sign: tuple[session.Session, Me], effect_id: int) -> Response:
-        return self._page(
-            "message.html",
+        # The same answer for another tenant's effect: a link is not a credential.
+        return self._message(
             sign,
             404,
-            title="Not found",
-            message=f"There is no effect #{effect_id} for tenant {sign[1].tenant}.",
+            "Not found",
+            pages.Alert.of(f"There is no effect #{effect_id} for tenant {sign[1].tenant}."),
+        )
+
+    def _bad_effect_id(self, sign: tuple[session.Session, Me], text: str) -> Response:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        return self._message(
+            sign,
+            404,
+            "Not found",
+            pages.Alert.of(
+                f"There is no effect {shown!r}.",
+                "Effect links end in the effect's number, like /console/items/42. To find an "
+                "effect by its key, operation id or provider reference, use the search.",
+            ),
         )
 
     def _item_page(
@@ -326,6 +471,9 @@ class Console:
             "item.html",
             sign,
             status,
+            alert=_problems_alert("Nothing changed. Fix this first:", problems)
+            if problems
+            else None,
             title=f"Effect #{effect_id}",
             nav="queue",
             item=item,
@@ -338,18 +486,32 @@ class Console:
 
     # --- resolving -----------------------------------------------------------------
 
+    def _resolve_text(self, request: Request, effect_id_text: str, form: FormData) -> Response:
+        effect_id = _effect_id(effect_id_text)
+        if effect_id is None:
+            sign = self._signed_in(request)
+            if sign is None:
+                return self._signed_out(request)
+            return self._bad_effect_id(sign, effect_id_text)
+        return self.resolve(request, effect_id, form)
+
+    def _signed_out(self, request: Request) -> Response:
+        """A POST without a session: nothing changed, and why the session is gone."""
+        ended = self._ended(request)
+        cause = session.ENDED_MESSAGES.get(
+            ended or session.Ended.MISSING,
+            "This browser has no session here: you signed out, or never signed in.",
+        )
+        return self._message(
+            None, 401, "Signed out", pages.Alert.of("Nothing changed: you are signed out.", cause)
+        )
+
     def resolve(self, request: Request, effect_id: int, form: FormData) -> Response:
         sign = self._signed_in(request)
         if sign is None:
-            return self._page(
-                "message.html",
-                None,
-                401,
-                title="Signed out",
-                message="Your session ended, so nothing changed. Sign in and try again.",
-            )
+            return self._signed_out(request)
         if not self.signer.check_csrf(sign[0], form.get("csrf")):
-            return self._refused(sign)
+            return self._refused(sign, form.get("csrf"))
         me = sign[1]
         box = _box(request)
         posted = {k: _text(form, k) for k in ("choice", "provider_ref", "reason", "action_id")}
@@ -421,7 +583,8 @@ class Console:
         if sign is None:
             return self._to_sign_in(request)
         box = _box(request)
-        found = queries.overview(box.engine, sign[1].tenant, box.clock())
+        now = box.clock()
+        found = queries.overview(box.engine, sign[1].tenant, now)
         return self._page(
             "overview.html",
             sign,
@@ -429,6 +592,74 @@ class Console:
             nav="overview",
             overview=found,
             chart=pages.bar_chart(found.outcomes),
+            panels=plots.panels(box.engine, sign[1].tenant, now),
+            windows=plots.WINDOWS,
+        )
+
+    # --- search and the operation page -----------------------------------------------
+
+    def search(self, request: Request) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._to_sign_in(request)
+        text = (request.query_params.get("q") or "").strip()
+        tenant = sign[1].tenant
+        context: dict[str, Any] = {"title": "Search", "q": text, "hits": None}
+        if len(text) > queries.SEARCH_MAX:
+            alert = _problems_alert(
+                "Nothing was searched:",
+                {
+                    "q": f"The search text is {len(text)} characters long; operation ids, effect "
+                    f"keys and provider references are at most {queries.SEARCH_MAX}."
+                },
+            )
+            return self._page("search.html", sign, 400, alert=alert, **context)
+        if text:
+            context["hits"] = queries.search(_box(request).engine, tenant, text)
+        return self._page("search.html", sign, **context)
+
+    def operation(self, request: Request, operation_id: str) -> Response:
+        sign = self._signed_in(request)
+        if sign is None:
+            return self._to_sign_in(request)
+        box = _box(request)
+        tenant = sign[1].tenant
+        try:
+            found = box.get_operation(tenant, operation_id)
+        except errors.OperationExpired:
+            return self._message(
+                sign,
+                410,
+                "Operation expired",
+                pages.Alert.of(
+                    f"Operation {operation_id!r} expired in tenant {tenant}.",
+                    "Its record passed the retention window: only its key and its arguments' "
+                    "digest are kept, so a late retry is told to reconcile instead of creating "
+                    "a second task.",
+                    tone="warn",
+                ),
+            )
+        except errors.OperationNotFound:
+            # The same answer for another tenant's operation: a link is not a credential.
+            return self._message(
+                sign,
+                404,
+                "Not found",
+                pages.Alert.of(f"There is no operation {operation_id!r} for tenant {tenant}."),
+            )
+        task = None
+        if found["task_id"] is not None:
+            try:
+                task = box.get_task(tenant, found["task_id"])
+            except errors.TaskNotFound:
+                task = None
+        return self._page(
+            "operation.html",
+            sign,
+            title=f"Operation {operation_id}",
+            nav="queue",
+            operation=found,
+            task=task,
         )
 
     # --- approvals -------------------------------------------------------------------
@@ -600,33 +831,51 @@ class Console:
         router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
         @router.get("")
-        def home() -> Response:
+        @router.get("/")
+        def home(request: Request) -> Response:
+            # The landing page is the review queue; signed out, sign-in leads there.
             return _see_other(f"{PREFIX}/queue")
 
         @router.get("/sign-in")
         def sign_in_page(request: Request) -> Response:
-            if self._signed_in(request) is not None:
-                return _see_other(_safe_next(request.query_params.get("next")))
-            notice = "You are signed out." if request.query_params.get("signed_out") else ""
-            return self.sign_in_page(request, notice=notice)
+            def page() -> Response:
+                if self._signed_in(request) is not None:
+                    return _see_other(_safe_next(request.query_params.get("next")))
+                notice = "You are signed out." if request.query_params.get("signed_out") else ""
+                return self.sign_in_page(request, notice=notice)
+
+            return self.guarded(page)
 
         @router.post("/sign-in")
         async def sign_in(request: Request) -> Response:
             form = await request.form()
-            return await run_in_threadpool(self.sign_in, request, form)
+            return await run_in_threadpool(self.guarded, self.sign_in, request, form)
 
         @router.post("/sign-out")
         async def sign_out(request: Request) -> Response:
             form = await request.form()
-            return await run_in_threadpool(self.sign_out, request, form)
+            return await run_in_threadpool(self.guarded, self.sign_out, request, form)
 
         @router.get("/queue")
         def queue(request: Request) -> Response:
-            return self.queue(request)
+            return self.guarded(self.queue, request)
 
         @router.get("/overview")
         def overview(request: Request) -> Response:
-            return self.overview(request)
+            return self.guarded(self.overview, request)
+
+        @router.get("/search")
+        def search(request: Request) -> Response:
+            return self.guarded(self.search, request)
+
+        @router.get("/operations")
+        def operation_by_query(request: Request) -> Response:
+            # For the ids a browser would rewrite in a path ("." and "..").
+            return self.guarded(self.operation, request, request.query_params.get("id", ""))
+
+        @router.get("/operations/{operation_id:path}")
+        def operation(request: Request, operation_id: str) -> Response:
+            return self.guarded(self.operation, request, operation_id)
 
         @router.get("/groups")
         def groups(request: Request) -> Response:
@@ -642,13 +891,15 @@ class Console:
             return await run_in_threadpool(self.bulk_page, request, form)
 
         @router.get("/items/{effect_id}")
-        def item(request: Request, effect_id: EffectId) -> Response:
-            return self.item(request, effect_id)
+        def item(request: Request, effect_id: str) -> Response:
+            return self.guarded(self.item, request, effect_id)
 
         @router.post("/items/{effect_id}/resolve")
-        async def resolve(request: Request, effect_id: EffectId) -> Response:
+        async def resolve(request: Request, effect_id: str) -> Response:
             form = await request.form()
-            return await run_in_threadpool(self.resolve, request, effect_id, form)
+            return await run_in_threadpool(
+                self.guarded, self._resolve_text, request, effect_id, form
+            )
 
         @router.get("/approvals")
         def approvals(request: Request) -> Response:

@@ -26,6 +26,7 @@ import json
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 
 SESSION_COOKIE = "outbox_console"
 SIGN_IN_COOKIE = "outbox_console_sign_in"
@@ -33,6 +34,30 @@ COOKIE_PATH = "/console"
 SESSION_DURATION_DEFAULT = timedelta(hours=8)
 SIGN_IN_WINDOW = timedelta(hours=1)
 NAME_MAX = 100
+
+
+class Ended(StrEnum):
+    """Why a request carries no valid session; the sign-in page says which."""
+
+    MISSING = "missing"  # never signed in here, or signed out
+    NOT_OURS = "restarted"  # signed by another process: the console restarted (or it was altered)
+    UNREADABLE = "unreadable"  # not a session cookie at all
+    EXPIRED = "expired"  # past its expiry
+    REVOKED = "revoked"  # the token behind it was revoked (or is no operator token any more)
+
+
+ENDED_MESSAGES = {
+    Ended.NOT_OURS: (
+        "Your session ended because the console restarted since you signed in "
+        "(sessions live only as long as the process). Sign in again to continue."
+    ),
+    Ended.UNREADABLE: "Your session cookie could not be read. Sign in again to continue.",
+    Ended.EXPIRED: "Your session expired. Sign in again to continue.",
+    Ended.REVOKED: (
+        "The token you signed in with was revoked, so its session ended. "
+        "Sign in with a current operator token."
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +106,27 @@ class Signer:
 
     def read(self, value: str | None, now: datetime) -> Session | None:
         """The session in a cookie value, or None if it is missing, forged or expired."""
-        if not value or value.count(".") != 1:
-            return None
+        return self.check(value, now)[0]
+
+    def check(self, value: str | None, now: datetime) -> tuple[Session | None, Ended | None]:
+        """The session, or why there is none (so the page can say the real cause)."""
+        if not value:
+            return None, Ended.MISSING
+        if value.count(".") != 1:
+            return None, Ended.UNREADABLE
         payload, signature = value.split(".")
         if not hmac.compare_digest(signature, self._mac("session", payload)):
-            return None
+            # Not signed by this process: issued before a restart, or altered.
+            return None, Ended.NOT_OURS
         try:
             body = json.loads(_unb64(payload))
             expires_at = datetime.fromtimestamp(int(body["e"]), tz=now.tzinfo)
             token_sha256, name = str(body["h"]), str(body["n"])
         except (ValueError, KeyError, TypeError, binascii.Error):
-            return None
+            return None, Ended.UNREADABLE
         if expires_at <= now:
-            return None
-        return Session(token_sha256, name, expires_at, signature)
+            return None, Ended.EXPIRED
+        return Session(token_sha256, name, expires_at, signature), None
 
     # --- CSRF --------------------------------------------------------------------
 

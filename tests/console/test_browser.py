@@ -136,7 +136,7 @@ def test_an_agent_token_cannot_sign_in(console: Console, browser: Any) -> None:
 
     page.get_by_label("Operator token").fill("obx_not-a-token")
     page.get_by_role("button", name="Sign in").click()
-    assert "unknown or revoked" in page.get_by_role("alert").inner_text()
+    assert "That token is unknown to this deployment" in page.get_by_role("alert").inner_text()
 
 
 def test_the_session_cookie_is_http_only_and_a_revoked_token_stops_working(

@@ -19,3 +19,11 @@ window.addEventListener("pageshow", function () {
     form.querySelectorAll("button[type=submit]").forEach(function (b) { b.disabled = false; });
   });
 });
+// The page's alert is focused on load (the autofocus attribute does it; this
+// covers a browser that ignores autofocus on a non-form element).
+document.addEventListener("DOMContentLoaded", function () {
+  var alert = document.querySelector("[data-autofocus]");
+  if (alert && (document.activeElement === document.body || document.activeElement === null)) {
+    alert.focus();
+  }
+});
