@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser run chaos chaos-quick bench bench-quick clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser run chaos chaos-quick bench bench-quick bench-drain clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -106,6 +106,11 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	$(PY) -m bench.perf --quick $(BENCH_ARGS)
+
+# Lost replies that drain in seconds: the figure, then the same case as a test.
+bench-drain: $(STAMP)
+	$(PY) -m bench.drain $(DRAIN_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider bench/drain
 
 clean:
 	rm -rf $(VENV) var site .mypy_cache .ruff_cache .pytest_cache

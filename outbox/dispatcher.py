@@ -544,9 +544,13 @@ class Dispatcher:
                     breaker.cooldown.total_seconds(),
                     extra=context,
                 )
-        elif result.outcome is not AttemptOutcome.ADAPTER_ERROR and breaker.record_success(at):
-            metrics.BREAKER_OPEN.labels(name).set(0)
-            logger.info("circuit breaker closed: %s answers again", name, extra=context)
+        elif result.outcome is not AttemptOutcome.ADAPTER_ERROR:
+            if effect.attempt_no > 1:
+                # The provider answers retries again: let the next one go now.
+                self.budget(name).record_answered_retry(at)
+            if breaker.record_success(at):
+                metrics.BREAKER_OPEN.labels(name).set(0)
+                logger.info("circuit breaker closed: %s answers again", name, extra=context)
         if decision.status is S.PENDING:
             metrics.RETRIES.labels(name).inc()
         if result.outcome is AttemptOutcome.ADAPTER_ERROR:

@@ -101,7 +101,14 @@ class Backoff:
 
 
 class RetryBudget:
-    """Retries at most ``ratio`` x first attempts over a sliding window (floor ``min_per_window``).
+    """Failing retries at most ``ratio`` x first attempts over a sliding window.
+
+    A token bucket in the spirit of the AWS SDKs' standard retry mode: every
+    retry spends a token, and a retry the provider then answers (delivered, or
+    refused for good) gives its token back. So during a full outage the retry
+    volume stays within ``max(min_per_window, ratio x first attempts)`` per
+    window, and once the provider answers again, retries flow at the rate it
+    answers them instead of waiting for the window to slide.
 
     The window is kept as ``buckets`` counters, so memory stays constant
     however many deliveries pass through (a timestamp per delivery would grow
@@ -126,6 +133,7 @@ class RetryBudget:
         # (bucket index, first attempts, retries), oldest first
         self._counts: deque[list[int]] = deque()
         self.denied = 0  # retries refused since start: a counter for logs and metrics
+        self.refunded = 0  # tokens given back by answered retries since start
 
     def _bucket(self, now: datetime) -> list[int]:
         index = math.floor(now.timestamp() / self._width)
@@ -155,6 +163,13 @@ class RetryBudget:
             return False
         self._bucket(now)[2] += 1
         return True
+
+    def record_answered_retry(self, now: datetime) -> None:
+        """A retry the provider answered: give its token back (never below zero spent)."""
+        _, retries = self._totals(now)
+        if retries > 0:
+            self._bucket(now)[2] -= 1
+            self.refunded += 1
 
 
 class BreakerState(StrEnum):

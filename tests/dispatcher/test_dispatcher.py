@@ -220,9 +220,12 @@ def test_deadline_after_a_possible_send_is_outcome_unknown(engine, clock, make_d
     )
 
 
-def test_retry_budget_holds_retries_back_and_recovers(engine, clock, make_dispatcher) -> None:
+def test_retry_budget_holds_failing_retries_back_and_recovers(
+    engine, clock, make_dispatcher
+) -> None:
     ids = seed(engine, 4, now=clock())
-    adapter = fake(*[DeliveryResult.not_sent("refused")] * 4)
+    # Four first attempts and the one retry they earn all fail: the outage goes on.
+    adapter = fake(*[DeliveryResult.not_sent("refused")] * 5)
     dispatcher = make_dispatcher(
         adapter, retry_budget_ratio=0.25, retry_budget_min_per_window=0, retry_budget_window=60
     )
@@ -230,17 +233,53 @@ def test_retry_budget_holds_retries_back_and_recovers(engine, clock, make_dispat
     dispatcher.run_once(now=clock())  # 4 first attempts: budget = 1 retry
     clock.advance(2)
     assert dispatcher.run_once(now=clock()) == 1
-    assert dispatcher.run_once(now=clock()) == 0  # spent: not even selected
-    assert statuses(engine) == {"succeeded": 1, "pending": 3}
+    assert dispatcher.run_once(now=clock()) == 0  # spent by a failing retry: not even selected
+    assert statuses(engine) == {"pending": 4}
     assert metrics.RETRY_BUDGET_REFUSALS.labels("helpdesk")._value.get() > before
     clock.advance(61)  # the first attempts slid out of the window: no budget at all
     assert dispatcher.run_once(now=clock()) == 0
     seed(engine, 8, now=clock(), prefix="more")  # new traffic earns retries again
     assert dispatcher.run_once(now=clock()) == 8
-    assert dispatcher.run_once(now=clock()) == 2  # 0.25 x 8 first attempts
+    # 0.25 x 8 first attempts = 2 retries; the provider answers them, so they
+    # give their tokens back and the next two go at once: no waiting for the window.
+    assert dispatcher.run_once(now=clock()) == 2
+    assert dispatcher.run_once(now=clock()) == 2
     assert dispatcher.run_once(now=clock()) == 0
-    assert statuses(engine) == {"succeeded": 11, "pending": 1}
+    assert statuses(engine) == {"succeeded": 12}
+    assert dispatcher.budget("helpdesk").refunded == 4
     assert len(ids) == 4
+
+
+def test_after_an_outage_lost_replies_drain_at_the_rate_the_provider_answers(
+    engine, clock, make_dispatcher
+) -> None:
+    """70 replies lost at a provider that honours keys: the backlog drains in seconds."""
+    seed(engine, 70, now=clock())
+    outage = [DeliveryResult.ambiguous("reply lost")] * 70
+    adapter = fake(*outage)
+    dispatcher = make_dispatcher(
+        adapter,
+        retry_budget_ratio=0.1,  # 7 retries per window from 70 first attempts...
+        retry_budget_min_per_window=10,  # ...but at least 10
+        retry_budget_window=60,
+        backoff_initial=1,
+        backoff_max=2,
+        max_attempts=20,
+    )
+    dispatcher.run_once(now=clock())  # the burst: 70 sends, every reply lost
+    assert statuses(engine) == {"pending": 70}
+    cleared_at = clock()  # the fault clears now
+    passes = 0
+    while statuses(engine) != {"succeeded": 70} and passes < 200:
+        clock.advance(1)
+        dispatcher.run_once(now=clock())
+        passes += 1
+    assert statuses(engine) == {"succeeded": 70}
+    assert (clock() - cleared_at) <= timedelta(seconds=30)
+    # Each effect was sent with one key; the resends reused it (no second effect).
+    keys = [call.effect_key for call in adapter.calls]
+    assert len(set(keys)) == 70
+    assert dispatcher.budget("helpdesk").refunded >= 60
 
 
 def test_breaker_pauses_a_failing_adapter_without_blocking_others(

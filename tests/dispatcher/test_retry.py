@@ -121,6 +121,21 @@ def test_retry_budget_trips_at_its_ratio_and_recovers_as_the_window_slides() -> 
     assert budget.try_retry(later)
 
 
+def test_an_answered_retry_gives_its_token_back() -> None:
+    budget = retry.RetryBudget(0.0, timedelta(seconds=60), min_per_window=2)
+    now = T0
+    assert [budget.try_retry(now) for _ in range(3)] == [True, True, False]
+    budget.record_answered_retry(now)  # the provider answered one: one more may go
+    assert budget.try_retry(now)
+    assert not budget.try_retry(now)
+    # Refunds never create credit beyond what was spent in the window.
+    later = now + timedelta(seconds=61)
+    budget.record_answered_retry(later)
+    budget.record_answered_retry(later)
+    assert budget.available(later) == 2
+    assert budget.refunded == 1
+
+
 def test_retry_budget_memory_is_bounded() -> None:
     budget = retry.RetryBudget(1.0, timedelta(seconds=10), 0, buckets=10)
     for i in range(100_000):
