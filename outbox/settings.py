@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     # SQLite only: FULL survives power loss; NORMAL (in WAL) survives a crash of the
     # process but may lose the last commits on power loss. Default: FULL.
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    # PostgreSQL behind a connection pooler in transaction mode (PgBouncer
+    # pool_mode=transaction): "transaction" turns off server-side prepared
+    # statements and session settings, and LISTEN goes to OUTBOX_LISTEN_URL or,
+    # without one, dispatchers poll every OUTBOX_POLL_INTERVAL. See docs/failover.md.
+    database_pooler: Literal["none", "transaction"] = "none"
+    # PostgreSQL: a direct (not pooled) URL for the dispatchers' LISTEN connection.
+    listen_url: str | None = None
     # How long a write waits for the database lock before answering Busy.
     busy_timeout: Duration = BUSY_TIMEOUT_DEFAULT
     # Receipts are kept this long, then turned into tombstones (key and digest only).

@@ -25,10 +25,11 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import sqlalchemy as sa
@@ -119,6 +120,27 @@ class PhaseOptions:
     workers: int
     run_dir: Path
     pg_admin_url: str = PG_ADMIN_URL_DEFAULT
+    # The infrastructure scenarios (``bench.chaos.scenarios``): given the scratch
+    # database's direct URL, the URL the service's processes use (a pooler's) and
+    # their extra OUTBOX_* settings; settings stored on the scratch database;
+    # whether the monkey also terminates backends; a disturbance started with the load.
+    service: Callable[[str], tuple[str, Mapping[str, str]]] | None = None
+    database_settings: Mapping[str, str] = field(default_factory=dict)
+    terminate_backends: bool = True
+    disturbance: Callable[[Callable[[], float | None]], Disturbance] | None = None
+
+
+class Disturbance(Protocol):
+    """Something done to the infrastructure while the load runs (a failover)."""
+
+    def start(self) -> None: ...
+
+    def finish(self, timeout: float) -> None: ...
+
+    def figures(self) -> dict[str, Any]: ...
+
+    @property
+    def errors(self) -> list[str]: ...
 
 
 # --- scratch databases ----------------------------------------------------------------
@@ -144,6 +166,9 @@ class ScratchDatabase:
             )
             with self.admin.connect() as conn:
                 conn.exec_driver_sql(f'CREATE DATABASE "{self.name}"')
+                for name, value in options.database_settings.items():
+                    # Session settings a transaction pooler cannot carry: the database's own.
+                    conn.exec_driver_sql(f"ALTER DATABASE \"{self.name}\" SET {name} = '{value}'")
             self.url = admin_url.set(database=self.name).render_as_string(hide_password=False)
         engine = db.create_engine(settings.load(), url=self.url, poolclass=sa.pool.NullPool)
         try:
@@ -297,11 +322,15 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
         _adapters_toml(adapters_file, provider_url, phase)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         env.update(SERVICE_ENV)
+        service_url, service_env = (
+            options.service(scratch.url) if options.service else (scratch.url, {})
+        )
         env.update(
             {
-                "OUTBOX_DATABASE_URL": scratch.url,
+                "OUTBOX_DATABASE_URL": service_url,
                 "OUTBOX_ADAPTERS": str(adapters_file),
                 "PYTHONUNBUFFERED": "1",
+                **service_env,
             }
         )
         supervisor = procs.Supervisor(phase_dir, env)
@@ -324,7 +353,7 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
             provider_args.append("--no-lookup")
         provider = supervisor.add("provider", procs.python_module("fake_provider", *provider_args))
         procs.wait_http(f"{provider_url}/_admin/health", child=provider)
-        cli = ("outbox.cli", "--database-url", scratch.url)
+        cli = ("outbox.cli", "--database-url", service_url)
         api = supervisor.add("api", procs.python_module(*cli, "serve", "--port", str(api_port)))
         for i in range(options.dispatchers):
             supervisor.add(f"dispatcher-{i}", procs.python_module(*cli, "dispatcher"))
@@ -350,7 +379,9 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
                 return None
             return generator.done_calls / max(1, generator.report.planned_calls)
 
-        pg_admin = scratch.admin if options.database == "postgres" else None
+        pg_admin = (
+            scratch.admin if options.database == "postgres" and options.terminate_backends else None
+        )
         chaos = monkey.Monkey(
             supervisor,
             kills=options.kills,
@@ -363,11 +394,16 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
         watcher = Watcher(engine)
         watcher.start()
         chaos.start()
+        disturbance = options.disturbance(progress) if options.disturbance else None
+        if disturbance is not None:
+            disturbance.start()
         log(f"  [{options.database}/{phase.name}] load: {len(jobs)} jobs, {len(keys)} keys")
         report = generator.run()
         load_done.set()
         load_end = time.monotonic()
         chaos.finish(timeout=started + options.seconds * 0.65 - time.monotonic())
+        if disturbance is not None:
+            disturbance.finish(timeout=started + options.seconds * 0.65 - time.monotonic())
         set_faults(provider_url, {}, {"min": 0, "max": 0})
         faults_seen = httpx.get(f"{provider_url}/_admin/faults", timeout=10).json()["counts"]
         log(
@@ -432,8 +468,12 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
                 "throughput: effects settled per second": round(effects / (drain_end - started), 1),
             }
         )
+        if disturbance is not None:
+            result.figures.update(disturbance.figures())
         if chaos.errors:
             result.error = "harness errors in the monkey: " + "; ".join(chaos.errors[:5])
+        if disturbance is not None and disturbance.errors:
+            result.error = "disturbance failed: " + "; ".join(disturbance.errors[:5])
         if not drained:
             result.figures["drain"] = "incomplete within the time bound"
     except Exception as exc:  # noqa: BLE001 - reported as the phase's error
