@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from outbox import logs, metrics
-from outbox.api import limits, problems, routes
+from outbox.api import connections, limits, problems, ratelimit, routes
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -50,6 +50,9 @@ def create_app(
     app.state.metrics_registry = metrics.backlog_registry(box.engine)
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
+    # Outermost: a flooding tenant's request is refused before anything else runs.
+    app.state.rate_limiter = ratelimit.Limiter(box.settings.rate_limit)
+    app.add_middleware(ratelimit.RateLimitGate, limiter=app.state.rate_limiter)
     app.include_router(routes.router)
     for router in routers:
         app.include_router(router)
@@ -99,6 +102,10 @@ def cli_serve(args: argparse.Namespace) -> int:
                 log_config=None,
                 proxy_headers=False,
                 server_header=False,
+                # Slow and half-open clients: a deadline per request head, a connection cap.
+                **connections.server_options(
+                    config.header_timeout.total_seconds(), config.max_connections
+                ),
             )
         )
         server.run()
