@@ -25,6 +25,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from outbox.api.ratelimit import PAUSE_READING_KEY
+
 log = logging.getLogger("outbox.api")
 
 KEEP_ALIVE_SECONDS = 5  # uvicorn's: an idle connection between requests is closed after it
@@ -77,10 +79,20 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        pause = (self.scope or {}).get("state", {}).get(PAUSE_READING_KEY)
+        if pause and not self.transport.is_closing():
+            # Answered 429: the next request of this connection is not read before its
+            # Retry-After (ratelimit.PAUSE_READING_MAX_SECONDS at most).
+            self.flow.pause_reading()
+            self.loop.call_later(pause, self._resume_reading)
         if not self.transport.is_closing():
             # The next request's head gets the same deadline (uvicorn's keep-alive
             # timer only covers a connection on which nothing at all arrives).
             self._arm_head_timer()
+
+    def _resume_reading(self) -> None:
+        if not self.transport.is_closing():
+            self.flow.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

@@ -17,9 +17,14 @@ Fairness is the point, so a refusal must cost the server next to nothing:
 ``RateLimitGate`` is ASGI middleware that refuses a flooding tenant's request
 on the event loop, before routing, authentication's database read or the
 thread pool. It knows which tenant a bearer token belongs to only after that
-token has once authenticated (``Limiter.admit`` remembers the token's SHA-256),
-so a token is never trusted by the gate: an admitted request is still
-authenticated against the database, and the gate can only refuse.
+token has authenticated (``Limiter.remember`` keeps the token's SHA-256
+for ``GATE_TRUST_SECONDS``), so a token is never trusted by the gate: an
+admitted request is still authenticated against the database, and the gate
+can only refuse. A changed limit, or a revoked token (401 instead of 429),
+shows within those seconds. And the server does not read the next request of
+a connection answered 429 until its Retry-After (at most one second): a
+client that ignores Retry-After is slowed down instead of served refusals as
+fast as it can ask.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import limits
@@ -41,7 +47,15 @@ from outbox import errors, settings
 POLICY_NAME = "tenant"
 UNLIMITED = settings.RATE_LIMIT_NONE
 TOKENS_REMEMBERED = 10_000  # token hashes the gate knows the tenant of (least recent dropped)
+# The gate trusts what it learned of a token this long; then one request goes through
+# authentication again, so a changed limit or a revoked token shows within it.
+GATE_TRUST_SECONDS = 5.0
 STATE_KEY = "outbox_rate_limit"
+# A connection answered 429 is not read again for Retry-After seconds, at most this long:
+# a client that ignores Retry-After on a keep-alive connection then costs the server one
+# refusal per connection per pause instead of one per round trip.
+PAUSE_READING_KEY = "outbox_pause_reading"
+PAUSE_READING_MAX_SECONDS = 1.0
 
 
 class RateLimited(errors.OutboxError):
@@ -90,12 +104,20 @@ class Decision:
 class Limiter:
     """One process's counters: a moving window per tenant, and the gate's token map."""
 
-    def __init__(self, default: str) -> None:
+    def __init__(
+        self,
+        default: str,
+        *,
+        trust_seconds: float = GATE_TRUST_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.default = default
+        self.trust_seconds = trust_seconds
+        self.monotonic = monotonic
         self._storage = MemoryStorage()
         self._limiter = MovingWindowRateLimiter(self._storage)
         self._parsed: dict[str, limits.RateLimitItem | None] = {}
-        self._tokens: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self._tokens: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def _item(self, text: str) -> limits.RateLimitItem | None:
@@ -127,15 +149,22 @@ class Limiter:
         """After authentication: the gate may refuse this token's requests from now on."""
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
         with self._lock:
-            self._tokens[digest] = (tenant, own)
+            self._tokens[digest] = (tenant, own, self.monotonic() + self.trust_seconds)
             self._tokens.move_to_end(digest)
             while len(self._tokens) > TOKENS_REMEMBERED:
                 self._tokens.popitem(last=False)
 
     def known(self, token: str) -> tuple[str, str | None] | None:
+        """The tenant and own limit of a token that authenticated recently, else None."""
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
         with self._lock:
-            return self._tokens.get(digest)
+            entry = self._tokens.get(digest)
+            if entry is None:
+                return None
+            if entry[2] <= self.monotonic():
+                del self._tokens[digest]  # stale: authentication looks again
+                return None
+            return entry[0], entry[1]
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -176,6 +205,12 @@ class RateLimitGate:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
+                if message["status"] == 429:
+                    # Ask the server not to read this connection's next request before
+                    # the caller may retry (``connections.HeaderTimeoutProtocol``).
+                    decision = state.get(STATE_KEY)
+                    wait = decision.retry_after if isinstance(decision, Decision) else 1
+                    state[PAUSE_READING_KEY] = min(float(wait), PAUSE_READING_MAX_SECONDS)
                 decision = state.get(STATE_KEY)
                 if decision:
                     headers = list(message.get("headers", []))
