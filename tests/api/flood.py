@@ -72,7 +72,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, int]:
     await first.wait()
     print("ready", flush=True)
     reading = loop.run_in_executor(None, sys.stdin.read)  # returns when stdin closes
-    done, _ = await asyncio.wait(
+    await asyncio.wait(
         [asyncio.ensure_future(reading), *tasks], return_when=asyncio.FIRST_COMPLETED
     )
     stop.set()
