@@ -156,3 +156,16 @@ def test_tokens_create_expires_in_on_the_command_line(sqlite_url: str, capsys) -
         )
         == 2
     )
+
+
+@pytest.mark.parametrize("field", ["adapter", "base_url", "url", "callback_url", "headers"])
+def test_a_caller_cannot_choose_where_an_effect_is_sent(
+    asgi: Http, tokens: Tokens, box: Outbox, field: str
+) -> None:
+    """SSRF: destinations come from the operator's adapters file, never from a request."""
+    body = {"subject": "hello", field: "http://169.254.169.254/latest/meta-data/"}
+    doc = assert_problem(
+        asgi.post("/v1/tasks", json=body, headers=tokens.auth(tokens.acme, f"op-{field}")), 422
+    )
+    assert [e["field"] for e in doc["errors"]] == [field]
+    assert written(box) == NOTHING
