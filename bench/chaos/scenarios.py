@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="The chaos run through a PostgreSQL failover or PgBouncer.",
     )
     p.add_argument("scenario", choices=["failover", "pooler"])
-    p.add_argument("--operations", type=int, default=400, help="calls (bounded)")
+    p.add_argument("--operations", type=int, default=200, help="calls (bounded)")
     p.add_argument("--kills", type=int, default=3, help="kill -9 of Outbox processes")
-    p.add_argument("--max-seconds", type=float, default=90.0, help="time bound of the phase")
+    p.add_argument("--max-seconds", type=float, default=180.0, help="time bound of the phase")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dispatchers", type=int, default=2, choices=[2, 3, 4])
     p.add_argument("--workers", type=int, default=6, help="load generator threads")

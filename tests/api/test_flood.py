@@ -135,7 +135,11 @@ def test_a_flooding_tenant_gets_429s_and_another_tenants_p99_stays_within_3x(tmp
                     flood.wait(10)
     finally:
         server.terminate()
-        server.wait(20)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
 
     for counts in floods:
         assert counts["hit the request cap"] == 0, counts  # flooding all along
