@@ -62,7 +62,7 @@ chaos: $(STAMP)
 # Both start their own servers on free loopback ports and stop by themselves:
 # small, count-bounded runs (raise --operations / --max-seconds in CHAOS_ARGS).
 chaos-failover: $(STAMP)
-	$(PY) -m bench.chaos.scenarios failover --operations 200 --kills 2 --max-seconds 180 $(CHAOS_ARGS)
+	$(PY) -m bench.chaos.scenarios failover --operations 150 --kills 2 --max-seconds 300 $(CHAOS_ARGS)
 
 # PgBouncer is Debian's package; install it when missing and we may.
 pgbouncer:
@@ -73,7 +73,7 @@ pgbouncer:
 	fi
 
 chaos-pooler: $(STAMP) pgbouncer
-	$(PY) -m bench.chaos.scenarios pooler --operations 200 --kills 2 --max-seconds 180 $(CHAOS_ARGS)
+	$(PY) -m bench.chaos.scenarios pooler --operations 150 --kills 2 --max-seconds 300 $(CHAOS_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
