@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser run chaos chaos-quick bench bench-quick bench-drain clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -25,6 +25,8 @@ help:
 	@echo "make chaos       crash/fault run with invariant checks (bounded)"
 	@echo "make chaos-quick a short chaos run (600 calls, 6 kills per database, bounded by count)"
 	@echo "make docs        build the documentation site into site/ (mkdocs --strict)"
+	@echo "make chaos-failover  kill -9 a PostgreSQL primary under load, promote its replica"
+	@echo "make chaos-pooler    the chaos run through PgBouncer in transaction pooling mode"
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
 
 $(VENV)/bin/python:
@@ -98,6 +100,22 @@ chaos: $(STAMP)
 # machine's speed (no time bound), on PostgreSQL too when it answers.
 chaos-quick: $(STAMP)
 	$(PY) -m bench.chaos --db $(if $(PG_URL),both,sqlite) --operations 600 --kills 6 --max-seconds 0 $(CHAOS_ARGS)
+
+# Both start their own servers on free loopback ports and stop by themselves:
+# small, count-bounded runs (raise --operations / --max-seconds in CHAOS_ARGS).
+chaos-failover: $(STAMP)
+	$(PY) -m bench.chaos.scenarios failover --operations 150 --kills 2 --max-seconds 300 $(CHAOS_ARGS)
+
+# PgBouncer is Debian's package; install it when missing and we may.
+pgbouncer:
+	@if [ ! -x /usr/sbin/pgbouncer ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer) >/dev/null; \
+	  else echo "pgbouncer is missing: install Debian's pgbouncer package"; fi; \
+	fi
+
+chaos-pooler: $(STAMP) pgbouncer
+	$(PY) -m bench.chaos.scenarios pooler --operations 150 --kills 2 --max-seconds 300 $(CHAOS_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'

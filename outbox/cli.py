@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from importlib import metadata
 from typing import Any
 
@@ -120,7 +121,16 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:
     with _box(args) as box:
-        print(box.create_tenant(args.name))
+        print(box.create_tenant(args.name, rate_limit=args.rate_limit))
+    return EXIT_OK
+
+
+def cmd_tenants_update(args: argparse.Namespace) -> int:
+    # --rate-limit default: back to OUTBOX_RATE_LIMIT; the API processes apply a new
+    # limit from the tenant's next request on.
+    rate_limit = None if args.rate_limit == "default" else args.rate_limit
+    with _box(args) as box:
+        print_json(box.update_tenant(args.name, rate_limit=rate_limit))
     return EXIT_OK
 
 
@@ -128,7 +138,14 @@ def cmd_tokens_create(args: argparse.Namespace) -> int:
     with _box(args) as box:
         if not box.tenant_exists(args.tenant):
             raise errors.UnknownTenant(args.tenant)
-        token = box.create_token(args.tenant, args.role, args.label)
+        expires_in = None
+        if args.expires_in is not None:
+            expires_in = settings.parse_duration(args.expires_in)
+            if not isinstance(expires_in, timedelta):
+                raise errors.InvalidArguments(
+                    [{"field": "--expires-in", "message": "a duration such as 30d, 12h or 90m"}]
+                )
+        token = box.create_token(args.tenant, args.role, args.label, expires_in=expires_in)
     print(token)
     print(
         "Keep this token now: only its SHA-256 is stored, it cannot be shown again.\n"
@@ -248,7 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     t_sub = p_tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
     p = t_sub.add_parser("create", help="create a tenant (safe to repeat)")
     p.add_argument("name")
+    p.add_argument(
+        "--rate-limit",
+        default=None,
+        help="its own API rate limit, e.g. 10/second or 6000/minute, or none "
+        "(default: OUTBOX_RATE_LIMIT)",
+    )
     p.set_defaults(handler=cmd_tenants_create)
+    p = t_sub.add_parser("update", help="change a tenant's settings")
+    p.add_argument("name")
+    p.add_argument(
+        "--rate-limit",
+        required=True,
+        help="its own API rate limit (10/second, none), or 'default' for OUTBOX_RATE_LIMIT",
+    )
+    p.set_defaults(handler=cmd_tenants_update)
 
     p_tokens = sub.add_parser("tokens", help="API tokens")
     k_sub = p_tokens.add_subparsers(dest="tokens_command", metavar="ACTION", required=True)
@@ -256,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", required=True)
     p.add_argument("--role", required=True, choices=["agent", "operator"])
     p.add_argument("--label", default="")
+    p.add_argument(
+        "--expires-in",
+        default=None,
+        metavar="DURATION",
+        help="the token stops working after this long, e.g. 30d, 12h (default: never)",
+    )
     p.set_defaults(handler=cmd_tokens_create)
     p = k_sub.add_parser("list", help="every token: id, tenant, role, label, created, last used")
     p.add_argument("--tenant", help="only this tenant's tokens")

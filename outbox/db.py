@@ -64,7 +64,9 @@ def create_engine(settings: Settings, *, url: str | None = None, **kwargs: Any) 
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, settings, busy, **kwargs)
     if parsed.get_backend_name() == "postgresql":
-        return _postgres_engine(parsed, busy, **kwargs)
+        return _postgres_engine(
+            parsed, busy, pooled=settings.database_pooler == "transaction", **kwargs
+        )
     raise errors.ConfigError(
         f"OUTBOX_DATABASE_URL: unsupported database {parsed.get_backend_name()!r}; "
         "use sqlite:///path.db or postgresql://user@host/db"
@@ -106,18 +108,55 @@ def _sqlite_engine(parsed: sa.URL, settings: Settings, busy: float, **kwargs: An
     return engine
 
 
-def _postgres_engine(parsed: sa.URL, busy: float, **kwargs: Any) -> Engine:
-    options = f"-c timezone=UTC -c lock_timeout={int(busy * 1000)}"
+def _postgres_engine(parsed: sa.URL, busy: float, *, pooled: bool, **kwargs: Any) -> Engine:
+    connect_args: dict[str, Any] = {"application_name": "outbox"}
+    if pooled:
+        # Behind a pooler in transaction mode, consecutive transactions of one
+        # connection run on different server sessions: a statement psycopg
+        # prepared on one is unknown on the next ("prepared statement ... does
+        # not exist"), and session settings sent at start-up are refused (PgBouncer
+        # rejects the ``options`` parameter). So: no prepared statements, and the
+        # time zone set with SET, which PgBouncer tracks and replays on every
+        # server connection it lends us. lock_timeout is the database's setting
+        # there (``ALTER DATABASE ... SET lock_timeout``, see docs/failover.md).
+        connect_args["prepare_threshold"] = None
+    else:
+        connect_args["options"] = f"-c timezone=UTC -c lock_timeout={int(busy * 1000)}"
     pre_ping = kwargs.pop("pool_pre_ping", True)
     engine = sa.create_engine(
         parsed,
-        connect_args={"options": options, "application_name": "outbox"},
+        connect_args=connect_args,
         pool_pre_ping=False,  # ours below, which ``transact`` can skip
         **_pool_options(kwargs),
     )
+    if pooled:
+
+        @event.listens_for(engine, "connect")
+        def _utc(dbapi_connection: Any, _record: Any) -> None:
+            autocommit = dbapi_connection.autocommit
+            dbapi_connection.autocommit = True
+            try:
+                dbapi_connection.execute("SET TIME ZONE 'UTC'")
+            finally:
+                dbapi_connection.autocommit = autocommit
+
     if pre_ping:
         _install_pre_ping(engine)
     return engine
+
+
+def libpq_params(engine: Engine, url: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``psycopg.connect`` to the engine's database (or ``url``'s).
+
+    For connections made outside the pool (the dispatchers' LISTEN): built by the
+    dialect, so a multi-host URL (``?host=a:5432&host=b:5432`` or
+    ``?host=a,b&port=5432,5432``) and ``target_session_attrs`` mean the same
+    as they do for the pool.
+    """
+    parsed = normalise_url(url) if url else engine.url
+    _args, params = engine.dialect.create_connect_args(parsed)
+    params.pop("context", None)
+    return dict(params)
 
 
 def _install_pre_ping(engine: Engine) -> None:

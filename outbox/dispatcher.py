@@ -650,6 +650,12 @@ class Dispatcher:
 
     # --- the loop -----------------------------------------------------------------------
 
+    def _listen_wanted(self) -> bool:
+        """LISTEN needs a session of its own: through a transaction pooler only with a
+        direct ``OUTBOX_LISTEN_URL``; without one, the loop polls (``poll_interval``)."""
+        s = self.settings
+        return s.database_pooler != "transaction" or s.listen_url is not None
+
     def request_stop(self) -> None:
         """Stop claiming; in-flight deliveries get ``shutdown_grace``, then are released."""
         if self._stop_requested_at is None:
@@ -692,10 +698,9 @@ class Dispatcher:
             )
         scheduler.start()
         listener = None
-        if not once and self.engine.dialect.name == "postgresql":
-            url = self.engine.url.set(drivername="postgresql")
+        if not once and self.engine.dialect.name == "postgresql" and self._listen_wanted():
             listener = wakeup.Listener(
-                url.render_as_string(hide_password=False),
+                db.libpq_params(self.engine, s.listen_url),
                 schema.NOTIFY_CHANNEL,
                 woken=self._wake,
                 listening=self._listening,

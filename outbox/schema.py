@@ -95,6 +95,8 @@ tenants = sa.Table(
     metadata,
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("created_at", UTCDateTime(), nullable=False),
+    # The tenant's API rate limit ("10/second"); NULL: OUTBOX_RATE_LIMIT.
+    sa.Column("rate_limit", sa.String(64), nullable=True),
 )
 
 api_tokens = sa.Table(
@@ -110,6 +112,8 @@ api_tokens = sa.Table(
     sa.Column("revoked_at", UTCDateTime(), nullable=True),
     # Written at most once a minute per token (service.TOKEN_LAST_USED_RESOLUTION).
     sa.Column("last_used_at", UTCDateTime(), nullable=True),
+    # After it the token authenticates nothing; NULL: no expiry.
+    sa.Column("expires_at", UTCDateTime(), nullable=True),
 )
 
 tasks = sa.Table(
@@ -312,6 +316,10 @@ review_actions = sa.Table(
     sa.Column("provider_ref", sa.String(500), nullable=True),
     sa.Column("status_before", sa.String(32), nullable=False),
     sa.Column("status_after", sa.String(32), nullable=False),
+    # The authenticated principal: the token that acted (NULL from the command line,
+    # where the actor is the OS account); the caller's own words are only a note.
+    sa.Column("actor_token_id", sa.BigInteger(), nullable=True),
+    sa.Column("actor_note", sa.String(200), nullable=True),
     sa.CheckConstraint("length(reason) > 0", name="reason_required"),
     sa.Index("ix_review_actions_effect_id", "effect_id"),
 )

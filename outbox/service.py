@@ -60,6 +60,13 @@ class Principal:
     tenant: str
     role: states.Role
     token_id: int
+    label: str = ""  # the token's label, as `outbox tokens create --label` set it
+    rate_limit: str | None = None  # the tenant's own API rate limit (None: the default)
+
+    @property
+    def actor(self) -> str:
+        """The authenticated actor as audit records name it: ``token:12 (label)``."""
+        return f"token:{self.token_id} ({self.label})" if self.label else f"token:{self.token_id}"
 
 
 def hash_token(token: str) -> str:
@@ -224,7 +231,10 @@ class Outbox:
 
     # --- tenants and tokens --------------------------------------------------
 
-    def create_tenant(self, name: str) -> str:
+    def create_tenant(self, name: str, *, rate_limit: str | None = None) -> str:
+        """Create a tenant (safe to repeat); ``rate_limit`` (``10/second``) sets its own limit."""
+        if rate_limit is not None:
+            rate_limit = _rate_limit(rate_limit)
         if not TENANT_NAME.match(name):
             raise errors.InvalidArguments(
                 [
@@ -237,10 +247,41 @@ class Outbox:
             )
         try:
             with db.write(self.engine) as conn:
-                conn.execute(sa.insert(schema.tenants), {"id": name, "created_at": self.clock()})
+                conn.execute(
+                    sa.insert(schema.tenants),
+                    {"id": name, "created_at": self.clock(), "rate_limit": rate_limit},
+                )
         except exc.IntegrityError:
-            pass  # already there: creating a tenant is safe to repeat
+            # Already there: creating a tenant is safe to repeat; a limit given now applies.
+            if rate_limit is not None:
+                self.update_tenant(name, rate_limit=rate_limit)
         return name
+
+    def update_tenant(self, name: str, *, rate_limit: str | None) -> dict[str, Any]:
+        """Set the tenant's own rate limit (``None``: back to ``OUTBOX_RATE_LIMIT``)."""
+        if rate_limit is not None:
+            rate_limit = _rate_limit(rate_limit)
+        t = schema.tenants
+        with db.write(self.engine) as conn:
+            changed = conn.execute(
+                sa.update(t).where(t.c.id == name).values(rate_limit=rate_limit)
+            ).rowcount
+        if not changed:
+            raise errors.UnknownTenant(name)
+        return self.get_tenant(name)
+
+    def get_tenant(self, name: str) -> dict[str, Any]:
+        t = schema.tenants
+        with db.read(self.engine) as conn:
+            row = conn.execute(sa.select(t).where(t.c.id == name)).first()
+        if row is None:
+            raise errors.UnknownTenant(name)
+        return {
+            "name": row.id,
+            "created_at": row.created_at.isoformat(),
+            "rate_limit": row.rate_limit,
+            "effective_rate_limit": row.rate_limit or self.settings.rate_limit,
+        }
 
     def tenant_exists(self, name: str) -> bool:
         with db.read(self.engine) as conn:
@@ -251,9 +292,24 @@ class Outbox:
                 is not None
             )
 
-    def create_token(self, tenant: str, role: states.Role | str, label: str = "") -> str:
-        """Mint a token; only its SHA-256 is stored, so this is the one time it is seen."""
+    def create_token(
+        self,
+        tenant: str,
+        role: states.Role | str,
+        label: str = "",
+        *,
+        expires_in: timedelta | None = None,
+    ) -> str:
+        """Mint a token; only its SHA-256 is stored, so this is the one time it is seen.
+
+        ``expires_in``: after that long it authenticates nothing (default: never).
+        """
         role = states.Role(role)
+        if expires_in is not None and expires_in <= timedelta(0):
+            raise errors.InvalidArguments(
+                [{"field": "expires_in", "message": "must be positive, e.g. 30d or 12h"}]
+            )
+        now = self.clock()
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         try:
             with db.write(self.engine) as conn:
@@ -264,7 +320,8 @@ class Outbox:
                         "tenant": tenant,
                         "role": role,
                         "label": label,
-                        "created_at": self.clock(),
+                        "created_at": now,
+                        "expires_at": None if expires_in is None else now + expires_in,
                     },
                 )
         except exc.IntegrityError as error:
@@ -318,25 +375,43 @@ class Outbox:
         ]
 
     def authenticate(self, token: str | None) -> Principal | None:
-        """The token's tenant and role, or None if missing, unknown or revoked."""
+        """The token's tenant and role, or None if missing, unknown, revoked or expired."""
         if not token:
             return None
         digest = hash_token(token)
-        t = schema.api_tokens
+        t, tenants = schema.api_tokens, schema.tenants
         with db.read(self.engine) as conn:
             row = conn.execute(
                 sa.select(
-                    t.c.id, t.c.token_sha256, t.c.tenant, t.c.role, t.c.revoked_at, t.c.last_used_at
-                ).where(t.c.token_sha256 == digest)
+                    t.c.id,
+                    t.c.token_sha256,
+                    t.c.tenant,
+                    t.c.role,
+                    t.c.label,
+                    t.c.revoked_at,
+                    t.c.expires_at,
+                    t.c.last_used_at,
+                    tenants.c.rate_limit,
+                )
+                .join(tenants, tenants.c.id == t.c.tenant)
+                .where(t.c.token_sha256 == digest)
             ).first()
         if row is None or not hmac.compare_digest(row.token_sha256, digest):
             return None
         if row.revoked_at is not None:
             return None
         now = self.clock()
+        if row.expires_at is not None and row.expires_at <= now:
+            return None
         if row.last_used_at is None or row.last_used_at <= now - TOKEN_LAST_USED_RESOLUTION:
             self._touch_token(row.id, now)
-        return Principal(tenant=row.tenant, role=states.Role(row.role), token_id=row.id)
+        return Principal(
+            tenant=row.tenant,
+            role=states.Role(row.role),
+            token_id=row.id,
+            label=row.label or "",
+            rate_limit=row.rate_limit,
+        )
 
     def _touch_token(self, token_id: int, now: datetime) -> None:
         """Record the use; a guarded UPDATE, so concurrent requests write it once.
@@ -369,6 +444,14 @@ class Outbox:
             now=now or self.clock(),
             tombstone_retention=self.settings.tombstone_retention,
         )
+
+
+def _rate_limit(text: str) -> str:
+    try:
+        settings.parse_rate_limit(text)
+    except ValueError as exc:
+        raise errors.InvalidArguments([{"field": "rate_limit", "message": str(exc)}]) from None
+    return text.strip().lower()
 
 
 def effect_view(row: Any) -> dict[str, Any]:

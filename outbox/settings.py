@@ -12,6 +12,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, get_args, get_origin
 
+import limits
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -25,6 +26,9 @@ LEASE_DURATION_DEFAULT = timedelta(seconds=60)
 EFFECT_DEADLINE_DEFAULT = timedelta(minutes=15)
 POLL_INTERVAL_DEFAULT = timedelta(seconds=1)
 MAX_ATTEMPTS_DEFAULT = 20
+RATE_LIMIT_DEFAULT = "100/second"
+HEADER_TIMEOUT_DEFAULT = timedelta(seconds=10)
+MAX_CONNECTIONS_DEFAULT = 1000
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -43,6 +47,28 @@ def parse_duration(value: Any) -> Any:
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
+RATE_LIMIT_NONE = "none"
+
+
+def parse_rate_limit(text: str) -> limits.RateLimitItem | None:
+    """``"100/second"`` -> a limit (the ``limits`` notation); ``"none"`` -> None.
+
+    ValueError says what is accepted: one limit with a positive amount.
+    """
+    cleaned = text.strip().lower()
+    if cleaned == RATE_LIMIT_NONE:
+        return None
+    try:
+        items = limits.parse_many(cleaned)
+    except ValueError:
+        items = []
+    if len(items) != 1 or items[0].amount < 1:
+        raise ValueError(
+            f"rate limit {text!r}: one limit such as '100/second', '10/second' or "
+            "'6000/minute', or 'none'"
+        )
+    return items[0]
+
 
 class Settings(BaseSettings):
     """Everything a process of Outbox can be told. Read once, then frozen."""
@@ -54,6 +80,13 @@ class Settings(BaseSettings):
     # SQLite only: FULL survives power loss; NORMAL (in WAL) survives a crash of the
     # process but may lose the last commits on power loss. Default: FULL.
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    # PostgreSQL behind a connection pooler in transaction mode (PgBouncer
+    # pool_mode=transaction): "transaction" turns off server-side prepared
+    # statements and session settings, and LISTEN goes to OUTBOX_LISTEN_URL or,
+    # without one, dispatchers poll every OUTBOX_POLL_INTERVAL. See docs/failover.md.
+    database_pooler: Literal["none", "transaction"] = "none"
+    # PostgreSQL: a direct (not pooled) URL for the dispatchers' LISTEN connection.
+    listen_url: str | None = None
     # How long a write waits for the database lock before answering Busy.
     busy_timeout: Duration = BUSY_TIMEOUT_DEFAULT
     # Receipts are kept this long, then turned into tombstones (key and digest only).
@@ -90,6 +123,15 @@ class Settings(BaseSettings):
     retention_interval: Duration = timedelta(minutes=10)
 
     # Processes.
+    # The API's per-tenant rate limit, unless the tenant has its own (`outbox tenants
+    # update NAME --rate-limit 10/second`): one limit such as 100/second or 6000/minute,
+    # or "none". Counted per API process (moving window).
+    rate_limit: str = RATE_LIMIT_DEFAULT
+    # `outbox serve`: a connection that has not sent a whole request head within this
+    # time is closed (slow or half-open clients), and one process serves at most
+    # max_connections connections at once (more are answered 503 and closed).
+    header_timeout: Duration = HEADER_TIMEOUT_DEFAULT
+    max_connections: int = Field(default=MAX_CONNECTIONS_DEFAULT, ge=1, le=100_000)
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
@@ -128,6 +170,12 @@ class Settings(BaseSettings):
         for name in ("busy_timeout", "lease_duration", "poll_interval", "effect_deadline"):
             if getattr(self, name) <= timedelta(0):
                 raise errors.ConfigError(f"OUTBOX_{name.upper()} must be positive")
+        if self.header_timeout <= timedelta(0):
+            raise errors.ConfigError("OUTBOX_HEADER_TIMEOUT must be positive")
+        try:
+            parse_rate_limit(self.rate_limit)
+        except ValueError as exc:
+            raise errors.ConfigError(f"OUTBOX_RATE_LIMIT: {exc}") from None
         if self.breaker_cooldown > self.breaker_cooldown_max:
             raise errors.ConfigError(
                 "OUTBOX_BREAKER_COOLDOWN cannot be longer than OUTBOX_BREAKER_COOLDOWN_MAX"

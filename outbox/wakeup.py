@@ -99,9 +99,16 @@ class Listener:
     """
 
     def __init__(
-        self, url: str, channel: str, *, woken: Waker, listening: threading.Event, worker: str
+        self,
+        params: str | dict[str, Any],
+        channel: str,
+        *,
+        woken: Waker,
+        listening: threading.Event,
+        worker: str,
     ) -> None:
-        self._url = url
+        # A conninfo string, or ``psycopg.connect`` keyword arguments (``db.libpq_params``).
+        self._params: dict[str, Any] = {"conninfo": params} if isinstance(params, str) else params
         self._channel = channel
         self._woken = woken
         self._listening = listening
@@ -142,9 +149,8 @@ class Listener:
         import psycopg
 
         try:
-            conn = psycopg.connect(
-                self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS
-            )
+            params = {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **self._params}
+            conn = psycopg.connect(**params, autocommit=True)
             try:
                 conn.execute(f"LISTEN {self._channel}")
             except BaseException:

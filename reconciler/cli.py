@@ -88,7 +88,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     then.add_argument("--abandon", action="store_true", help="do not deliver it: failed")
     p.add_argument("--provider-ref", help="the provider's reference (required with --happened)")
     p.add_argument("--reason", required=True, help="why: kept in the audit trail")
-    p.add_argument("--actor", default=None, help="who is acting (default: the login name)")
+    p.add_argument(
+        "--actor",
+        default=None,
+        help="a note on who is acting; the audit's actor is always the OS account (os:LOGIN)",
+    )
     p.add_argument(
         "--action-id", default=None, help="repeat with the same id to retry safely (default: new)"
     )
@@ -270,7 +274,10 @@ def cmd_review_resolve(args: argparse.Namespace) -> int:
             args.effect_id,
             choice=choice,
             reason=args.reason,
-            actor=args.actor or _login(),
+            # The command line authenticates no token: whoever can reach the database
+            # acts, so the actor is the OS account; --actor is kept as a note.
+            actor=f"os:{_login()}",
+            actor_note=args.actor,
             action_id=args.action_id or f"act_{uuid.uuid4().hex}",
             expected_attempts=args.expect_attempts,
             provider_ref=args.provider_ref,

@@ -10,7 +10,8 @@ the tenant its token belongs to: another tenant's effect is "not found".
   the body (``action_id``) or the ``Idempotency-Key`` header; repeating it
   answers the recorded result with ``Idempotent-Replayed: true``. A stale
   action (the effect is no longer in ``expected_status``) is a 409 and changes
-  nothing.
+  nothing. The audit names the authenticated token as the actor; an ``actor``
+  in the body is kept only as a note.
 """
 
 from __future__ import annotations
@@ -48,13 +49,9 @@ class ResolveBody(BaseModel):
     action_id: str | None = Field(default=None, min_length=1, max_length=review.ACTION_ID_MAX)
     expected_status: Literal["outcome_unknown"] = "outcome_unknown"
     expected_attempts: int | None = Field(default=None, ge=0)
-    # Who is acting, as the operator names themselves; the token is always recorded too.
+    # Who is acting, as the caller names themselves: kept as a note in the audit. The
+    # actor recorded is always the authenticated token (its id and label).
     actor: str | None = Field(default=None, min_length=1, max_length=100)
-
-
-def _actor(principal: Principal, named: str | None) -> str:
-    token = f"token:{principal.token_id}"
-    return f"{named} ({token})" if named else token
 
 
 def _action_id(request: Request, body: ResolveBody) -> str:
@@ -114,7 +111,7 @@ def routers() -> list[APIRouter]:
                 action=body.action,
                 resolution=body.resolution,
                 reason=body.reason,
-                actor=_actor(principal, body.actor),
+                actor=principal.actor,
                 bulk_id=bulk_id or f"bulk_{uuid.uuid4().hex[:16]}",
                 dry_run=body.dry_run,
                 now=box.clock(),
@@ -174,7 +171,9 @@ def routers() -> list[APIRouter]:
                 effect_id,
                 choice=body.choice,
                 reason=body.reason,
-                actor=_actor(principal, body.actor),
+                actor=principal.actor,
+                actor_token_id=principal.token_id,
+                actor_note=body.actor,
                 action_id=action_id,
                 expected_status=body.expected_status,
                 expected_attempts=body.expected_attempts,

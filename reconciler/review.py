@@ -62,6 +62,10 @@ class ActionResult:
     status_before: str
     status_after: str
     replayed: bool = False
+    # The token that acted (None from the command line), and what the caller said
+    # about who they are: a note, never the actor.
+    actor_token_id: int | None = None
+    actor_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         value = asdict(self)
@@ -251,6 +255,8 @@ def resolve(
     reason: str,
     actor: str,
     action_id: str,
+    actor_token_id: int | None = None,
+    actor_note: str | None = None,
     expected_status: states.EffectStatus | str = S.OUTCOME_UNKNOWN,
     expected_attempts: int | None = None,
     provider_ref: str | None = None,
@@ -267,6 +273,11 @@ def resolve(
       cleared, so the dispatcher delivers it;
     - ``not_happened_abandon``: failed; it must not happen any more.
 
+    ``actor`` is the authenticated principal (``Principal.actor``: the token and
+    its label; on the command line, the OS account), ``actor_token_id`` its
+    token; ``actor_note`` is whatever the caller said about who they are, kept
+    beside it and never in its place.
+
     Raises ``ReviewConflict`` (nothing written) if the effect is not in
     ``expected_status`` (or has another attempt count than ``expected_attempts``),
     or if ``action_id`` was used for a different action. Repeating the same
@@ -274,7 +285,7 @@ def resolve(
     """
     choice = states.ReviewChoice(choice)
     expected = _expected_status(expected_status)
-    reason = _check_arguments(choice, reason, actor, action_id, provider_ref)
+    reason = _check_arguments(choice, reason, actor, action_id, provider_ref, actor_note)
     at = now or schema.utcnow()
     try:
         with db.write(engine) as conn:
@@ -299,6 +310,8 @@ def resolve(
                     "action_id": action_id,
                     "effect_id": effect_id,
                     "actor": actor,
+                    "actor_token_id": actor_token_id,
+                    "actor_note": actor_note,
                     "at": at,
                     "choice": choice,
                     "reason": reason,
@@ -318,6 +331,8 @@ def resolve(
                 provider_ref=provider_ref,
                 status_before=row.status,
                 status_after=status_after.value,
+                actor_token_id=actor_token_id,
+                actor_note=actor_note,
             )
     except exc.IntegrityError:
         # PostgreSQL: the same action id committed by a concurrent call (perhaps
@@ -360,6 +375,7 @@ def _check_arguments(
     actor: str,
     action_id: str,
     provider_ref: str | None,
+    actor_note: str | None = None,
 ) -> str:
     problems: list[dict[str, Any]] = []
     reason = (reason or "").strip()
@@ -367,7 +383,14 @@ def _check_arguments(
         problems.append({"field": "reason", "message": "say why: the reason is kept in the audit"})
     elif len(reason) > REASON_MAX:
         problems.append({"field": "reason", "message": f"at most {REASON_MAX} characters"})
-    for field, text in (("reason", reason), ("actor", actor), ("provider_ref", provider_ref)):
+    if actor_note is not None and len(actor_note) > 200:
+        problems.append({"field": "actor", "message": "at most 200 characters"})
+    for field, text in (
+        ("reason", reason),
+        ("actor", actor),
+        ("actor", actor_note),
+        ("provider_ref", provider_ref),
+    ):
         # PostgreSQL text refuses NUL: a 422 here instead of a 500 from the driver.
         if text and "\x00" in text:
             problems.append({"field": field, "message": "must not contain NUL characters"})
@@ -497,6 +520,8 @@ def _action(row: Any, *, replayed: bool, effect_key: str) -> ActionResult:
         status_before=row.status_before,
         status_after=row.status_after,
         replayed=replayed,
+        actor_token_id=row.actor_token_id,
+        actor_note=row.actor_note,
     )
 
 

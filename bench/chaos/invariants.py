@@ -187,6 +187,10 @@ def _check_calls(ev: Evidence, figures: dict[str, Any], out: list[Violation]) ->
             "distinct keys": len(ev.keys),
             "keys with a valid first call": len(valid),
             "keys with invalid arguments": len(invalid),
+            # Valid keys the service answered with their receipt (a 2xx): each must be stored.
+            "acknowledged creates": sum(
+                1 for r in valid if any(k != "changed" and a.ok for k, a in r.answers)
+            ),
             "tasks created": len(t.tasks),
             "replays answered": replays,
             "first calls whose reply was lost, then replayed": lost_reply_recovered,
@@ -238,6 +242,14 @@ def _answer(kind: str, result: Any) -> dict[str, Any]:
 
 
 # --- effects: the database against the provider's ledger -----------------------------
+
+_MAY_HAVE_ACTED = frozenset({AttemptOutcome.AMBIGUOUS.value, AttemptOutcome.ABANDONED.value})
+
+
+def _resends_after_ambiguity(attempts: list[Any]) -> int:
+    """Attempts that followed one which may have acted (ambiguous, abandoned, never finished)."""
+    ordered = sorted(attempts, key=lambda a: a.attempt_no)
+    return sum(1 for a in ordered[:-1] if a.outcome is None or str(a.outcome) in _MAY_HAVE_ACTED)
 
 
 def _check_effects(ev: Evidence, figures: dict[str, Any], out: list[Violation]) -> None:
@@ -356,6 +368,11 @@ def _check_effects(ev: Evidence, figures: dict[str, Any], out: list[Violation]) 
             "review actions by choice": dict(sorted(choices.items())),
             "resolved by review": len({a.effect_id for a in t.actions}),
             "resends authorised by a lookup or an operator": authorised_resends,
+            # An attempt after one that may have acted (ambiguous, abandoned or never
+            # finished): the same key again, which a key-honouring provider absorbs.
+            "resends after ambiguity (same key)": sum(
+                _resends_after_ambiguity(attempts_of[e.id]) for e in t.effects
+            ),
             "effects settled at their deadline or attempt cap": sum(
                 1 for e in t.effects if str(e.reason) in AT_DEADLINE
             ),

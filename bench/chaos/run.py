@@ -25,10 +25,11 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import sqlalchemy as sa
@@ -58,6 +59,9 @@ SERVICE_ENV = {
     # The budget is proven by its own tests; here it would only stretch the drain.
     "OUTBOX_RETRY_BUDGET_MIN_PER_WINDOW": "100000",
     "OUTBOX_SHUTDOWN_GRACE": "2s",
+    # One tenant calls as fast as the workers go: the chaos run is about crashes and
+    # faults; rate limits have their own tests (tests/api/test_ratelimit.py, test_flood.py).
+    "OUTBOX_RATE_LIMIT": "none",
     "OUTBOX_LOG_LEVEL": "WARNING",
 }
 LEASE_S = 3.0
@@ -129,6 +133,27 @@ class PhaseOptions:
     # A safety net for count-bounded runs, never reached on a working stack: a drain
     # still moving after this long reports "incomplete" instead of hanging.
     drain_limit_s: float = 600.0
+    # The infrastructure scenarios (``bench.chaos.scenarios``): given the scratch
+    # database's direct URL, the URL the service's processes use (a pooler's) and
+    # their extra OUTBOX_* settings; settings stored on the scratch database;
+    # whether the monkey also terminates backends; a disturbance started with the load.
+    service: Callable[[str], tuple[str, Mapping[str, str]]] | None = None
+    database_settings: Mapping[str, str] = field(default_factory=dict)
+    terminate_backends: bool = True
+    disturbance: Callable[[Callable[[], float | None]], Disturbance] | None = None
+
+
+class Disturbance(Protocol):
+    """Something done to the infrastructure while the load runs (a failover)."""
+
+    def start(self) -> None: ...
+
+    def finish(self, timeout: float) -> None: ...
+
+    def figures(self) -> dict[str, Any]: ...
+
+    @property
+    def errors(self) -> list[str]: ...
 
 
 # --- scratch databases ----------------------------------------------------------------
@@ -154,6 +179,9 @@ class ScratchDatabase:
             )
             with self.admin.connect() as conn:
                 conn.exec_driver_sql(f'CREATE DATABASE "{self.name}"')
+                for name, value in options.database_settings.items():
+                    # Session settings a transaction pooler cannot carry: the database's own.
+                    conn.exec_driver_sql(f"ALTER DATABASE \"{self.name}\" SET {name} = '{value}'")
             self.url = admin_url.set(database=self.name).render_as_string(hide_password=False)
         engine = db.create_engine(settings.load(), url=self.url, poolclass=sa.pool.NullPool)
         try:
@@ -308,11 +336,15 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
         _adapters_toml(adapters_file, provider_url, phase)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         env.update(SERVICE_ENV)
+        service_url, service_env = (
+            options.service(scratch.url) if options.service else (scratch.url, {})
+        )
         env.update(
             {
-                "OUTBOX_DATABASE_URL": scratch.url,
+                "OUTBOX_DATABASE_URL": service_url,
                 "OUTBOX_ADAPTERS": str(adapters_file),
                 "PYTHONUNBUFFERED": "1",
+                **service_env,
             }
         )
         supervisor = procs.Supervisor(phase_dir, env)
@@ -335,7 +367,7 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
             provider_args.append("--no-lookup")
         provider = supervisor.add("provider", procs.python_module("fake_provider", *provider_args))
         procs.wait_http(f"{provider_url}/_admin/health", child=provider)
-        cli = ("outbox.cli", "--database-url", scratch.url)
+        cli = ("outbox.cli", "--database-url", service_url)
         api = supervisor.add("api", procs.python_module(*cli, "serve", "--port", str(api_port)))
         for i in range(options.dispatchers):
             supervisor.add(f"dispatcher-{i}", procs.python_module(*cli, "dispatcher"))
@@ -367,7 +399,9 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
                 return None
             return generator.done_calls / max(1, generator.report.planned_calls)
 
-        pg_admin = scratch.admin if options.database == "postgres" else None
+        pg_admin = (
+            scratch.admin if options.database == "postgres" and options.terminate_backends else None
+        )
         chaos = monkey.Monkey(
             supervisor,
             kills=options.kills,
@@ -380,11 +414,18 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
         watcher = Watcher(engine, options.deadline_tolerance)
         watcher.start()
         chaos.start()
+        disturbance = options.disturbance(progress) if options.disturbance else None
+        if disturbance is not None:
+            disturbance.start()
         log(f"  [{options.database}/{phase.name}] load: {len(jobs)} jobs, {len(keys)} keys")
         report = generator.run()
         load_done.set()
         load_end = time.monotonic()
         chaos.finish(None if monkey_stop_at is None else monkey_stop_at - time.monotonic())
+        if disturbance is not None:
+            disturbance.finish(
+                timeout=600.0 if monkey_stop_at is None else monkey_stop_at - time.monotonic()
+            )
         set_faults(provider_url, {}, {"min": 0, "max": 0})
         faults_seen = httpx.get(f"{provider_url}/_admin/faults", timeout=10).json()["counts"]
         log(
@@ -447,8 +488,12 @@ def run_phase(phase: Phase, options: PhaseOptions, log: Any = print) -> PhaseRes
                 "throughput: effects settled per second": round(effects / (drain_end - started), 1),
             }
         )
+        if disturbance is not None:
+            result.figures.update(disturbance.figures())
         if chaos.errors:
             result.error = "harness errors in the monkey: " + "; ".join(chaos.errors[:5])
+        if disturbance is not None and disturbance.errors:
+            result.error = "disturbance failed: " + "; ".join(disturbance.errors[:5])
         if not drained:
             result.figures["drain"] = "incomplete within the time bound"
     except Exception as exc:  # noqa: BLE001 - reported as the phase's error

@@ -27,7 +27,16 @@ from fastapi import APIRouter, FastAPI
 
 import adapters
 from outbox import logs, metrics
-from outbox.api import approvals, limits, openapi, problems, routes, webhooks
+from outbox.api import (
+    approvals,
+    connections,
+    limits,
+    openapi,
+    problems,
+    ratelimit,
+    routes,
+    webhooks,
+)
 from outbox.service import Outbox
 
 ROUTERS_GROUP = "outbox.routers"
@@ -62,6 +71,9 @@ def create_app(
     app.state.metrics_registry = metrics.backlog_registry(box.engine)
     problems.install(app)
     app.add_middleware(limits.BodyLimit, limit=max_body_bytes)
+    # Outermost: a flooding tenant's request is refused before anything else runs.
+    app.state.rate_limiter = ratelimit.Limiter(box.settings.rate_limit)
+    app.add_middleware(ratelimit.RateLimitGate, limiter=app.state.rate_limiter)
     # Each tool of the app is its own operation, generated here from its registry.
     tool_router, components = routes.tool_routers(box.tools)
     app.include_router(tool_router)
@@ -153,6 +165,10 @@ def cli_serve(args: argparse.Namespace) -> int:
                 log_config=None,
                 proxy_headers=False,
                 server_header=False,
+                # Slow and half-open clients: a deadline per request head, a connection cap.
+                **connections.server_options(
+                    config.header_timeout.total_seconds(), config.max_connections
+                ),
             )
         )
         server.run()

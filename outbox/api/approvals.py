@@ -42,8 +42,8 @@ class DecisionBody(BaseModel):
 
 
 def actor_of(principal: Principal, named: str | None) -> str:
-    token = f"token:{principal.token_id}"
-    return f"{named} ({token})" if named else token
+    """The audit's actor is the authenticated token; a caller's name is only a note on it."""
+    return f"{principal.actor}; note: {named}" if named else principal.actor
 
 
 @router.get(

@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from outbox import states
-from outbox.api import problems
+from outbox.api import problems, ratelimit
 from outbox.service import Outbox, Principal
 
 _bearer = HTTPBearer(
@@ -45,8 +45,18 @@ def require_principal(
     # One message for unknown and revoked, so the answer tells nothing about other tokens.
     principal = box.authenticate(credentials.credentials)
     if principal is None:
-        raise problems.Unauthenticated("the token is unknown or revoked")
+        raise problems.Unauthenticated("the token is unknown, revoked or expired")
     request.state.principal = principal
+    limiter: ratelimit.Limiter | None = getattr(request.app.state, "rate_limiter", None)
+    if limiter is not None:
+        # Per tenant, after authentication (an unknown token cannot spend a tenant's quota).
+        ratelimit.count_authenticated(
+            request.scope.setdefault("state", {}),
+            limiter,
+            credentials.credentials,
+            principal.tenant,
+            principal.rate_limit,
+        )
     return principal
 
 

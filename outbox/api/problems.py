@@ -327,8 +327,9 @@ def render(exc: BaseException) -> Response:
     if isinstance(exc, errors.OutboxError):
         headers = {}
         retry_after = getattr(exc, "retry_after_seconds", None)
-        if exc.status == 503 and retry_after is not None:
+        if exc.status in (429, 503) and retry_after is not None:
             headers["Retry-After"] = str(retry_after)
+        headers.update(getattr(exc, "response_headers", None) or {})
         return response(document(exc), headers=headers)
     if isinstance(exc, RequestValidationError):
         return response(

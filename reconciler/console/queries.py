@@ -25,22 +25,34 @@ QUEUE_LIMIT = 200
 OVERVIEW_WINDOW = timedelta(hours=1)
 
 
-def principal_for(engine: Engine, token_sha256: str) -> Principal | None:
+def principal_for(
+    engine: Engine, token_sha256: str, now: datetime | None = None
+) -> Principal | None:
     """The operator behind a session, read again on every request: a revoked
     token ends its sessions at once. ``Outbox.authenticate`` takes the token
     itself, which the session deliberately does not keep."""
     t = schema.api_tokens
     with db.read(engine) as conn:
         row = conn.execute(
-            sa.select(t.c.id, t.c.token_sha256, t.c.tenant, t.c.role, t.c.revoked_at).where(
-                t.c.token_sha256 == token_sha256
-            )
+            sa.select(
+                t.c.id,
+                t.c.token_sha256,
+                t.c.tenant,
+                t.c.role,
+                t.c.label,
+                t.c.revoked_at,
+                t.c.expires_at,
+            ).where(t.c.token_sha256 == token_sha256)
         ).first()
     if row is None or not hmac.compare_digest(row.token_sha256, token_sha256):
         return None
     if row.revoked_at is not None:
         return None
-    return Principal(tenant=row.tenant, role=states.Role(row.role), token_id=row.id)
+    if row.expires_at is not None and row.expires_at <= (now or schema.utcnow()):
+        return None  # an expired token ends its sessions too
+    return Principal(
+        tenant=row.tenant, role=states.Role(row.role), token_id=row.id, label=row.label or ""
+    )
 
 
 def revoked_at(engine: Engine, token_sha256: str) -> datetime | None:

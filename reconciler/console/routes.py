@@ -63,13 +63,15 @@ class Me:
 
     tenant: str
     token_id: int
-    name: str
+    name: str  # as typed at sign-in: a note in the audit, never the actor
+    label: str = ""  # the token's label
 
     @property
     def actor(self) -> str:
-        # The same shape as the HTTP API's actor: the token is always recorded.
-        token = f"token:{self.token_id}"
-        return f"{self.name} (token:{self.token_id})" if self.name else token
+        # The authenticated principal, in the same shape as the HTTP API's actor.
+        return Principal(
+            tenant=self.tenant, role=states.Role.OPERATOR, token_id=self.token_id, label=self.label
+        ).actor
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +161,11 @@ class Console:
         request.state.console_ended = ended
         if found is None:
             return None
-        principal = queries.principal_for(box.engine, found.token_sha256)
+        principal = queries.principal_for(box.engine, found.token_sha256, box.clock())
         if principal is None or principal.role != states.Role.OPERATOR:
             request.state.console_ended = session.Ended.REVOKED
             return None
-        return found, Me(principal.tenant, principal.token_id, found.name)
+        return found, Me(principal.tenant, principal.token_id, found.name, principal.label)
 
     def _ended(self, request: Request) -> session.Ended | None:
         ended: session.Ended | None = getattr(request.state, "console_ended", None)
@@ -543,6 +545,8 @@ class Console:
                 choice=resolution.choice,
                 reason=resolution.reason,
                 actor=me.actor,
+                actor_token_id=me.token_id,
+                actor_note=me.name or None,
                 action_id=resolution.action_id,
                 expected_status=resolution.expected_status,
                 expected_attempts=resolution.expected_attempts,

@@ -67,11 +67,13 @@ def test_review_list_show_and_resolve(run: Any, box: Outbox, effect: int) -> Non
     code, out, _ = run(*argv)
     assert code == 0
     result = json.loads(out)
-    assert (result["status_after"], result["actor"], result["replayed"]) == (
+    # No token on the command line: the actor is the OS account, --actor only a note.
+    assert (result["status_after"], result["actor_note"], result["replayed"]) == (
         "succeeded",
         "alice",
         False,
     )
+    assert result["actor"].startswith("os:")
     after = snapshot(box.engine, effect)
     # The same command again (a shell retry) is a replay, not a second action.
     code, out, _ = run(*argv)

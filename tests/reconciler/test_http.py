@@ -98,7 +98,9 @@ def test_resolve_records_the_action_and_a_repeat_replays_it(
         "succeeded",
         "a-1",
     )
-    assert result["actor"].startswith("alice (token:")
+    # The authenticated token is the actor; the caller's "alice" is only a note.
+    assert result["actor"].startswith("token:") and result["actor"].endswith(" (alice's laptop)")
+    assert result["actor_note"] == "alice"
     after = snapshot(box.engine, effect)
 
     again = operator.post(f"/v1/review/{effect}/resolve", body, **{"Idempotency-Key": "a-1"})
