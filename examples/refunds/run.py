@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 APP = "refunds_app.app:app"
 ADAPTERS_FILE = HERE / "refunds_app" / "adapters.toml"
 PORTS_IN_FILE = {"payments": 9101, "chat": 9102}
-TIMEOUT_SECONDS = 120.0  # generous: a busy 2-core machine, five Python processes
+TIMEOUT_SECONDS = 300.0  # generous: a busy 2-core machine, five Python processes
 REFUNDS = 5
 MESSAGES = 5
 
