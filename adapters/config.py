@@ -344,8 +344,11 @@ def _http_config(
         headers=_default(spec.headers("headers"), base.headers),
         auth_env=spec.string("auth_env"),
         idempotency_header=spec.switchable("idempotency_header", base.idempotency_header),
+        # With a body template the body is exactly what the template says: no
+        # hidden field is added unless client_reference_field names one.
         client_reference_field=spec.switchable(
-            "client_reference_field", base.client_reference_field
+            "client_reference_field",
+            None if spec.body("body") is not None else base.client_reference_field,
         ),
         reference_field=spec.switchable("reference_field", base.reference_field),
         lookup_url=lookup_url,

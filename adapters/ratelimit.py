@@ -18,8 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from limits import RateLimitItem, parse, storage, strategies
+if TYPE_CHECKING:
+    from limits import RateLimitItem
 
 RATE_LIMIT_WAIT_DEFAULT = 5.0
 _STEP_SECONDS = 0.05
@@ -27,6 +29,9 @@ _STEP_SECONDS = 0.05
 
 def parse_rate(text: str) -> RateLimitItem:
     """``"25/second"`` as a ``limits`` item; ``ValueError`` when it is not one."""
+    # Imported here: only adapters with a rate limit pay for the library's import.
+    from limits import parse
+
     return parse(text)
 
 
@@ -46,7 +51,9 @@ class RateLimiter:
         self.item = parse_rate(rate)
         self.max_wait = max_wait
         self._key = key
-        self._limiter = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+        from limits import storage, strategies
+
+        self._limiter: Any = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
         self._sleep = sleep
         self._clock = clock
         self._lock = threading.Lock()

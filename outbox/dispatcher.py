@@ -276,7 +276,7 @@ class Dispatcher:
         self._more_due = len(claim.effects) + claim.expired + claim.skipped >= params.limit
         if claim.expired:
             logger.info(
-                "settled rows past their deadline without sending",
+                "settled rows past their deadline or key window without sending",
                 extra={"count": claim.expired, "worker": self.worker_id},
             )
         if not claim.effects:

@@ -551,3 +551,10 @@ def test_preset_keys_are_overridable(router: respx.Router) -> None:
     assert adapter.config.url.startswith("https://stripe-proxy.internal")
     assert adapter.capabilities.key_retention_seconds == 12 * 3600
     assert adapter.config.body_format == "form"
+
+
+def test_a_body_template_sends_exactly_the_template(router: respx.Router) -> None:
+    route = router.post(URL).respond(201, json={"id": "1"})
+    adapter = make(router, body={"title": "{{ payload.subject }}"})
+    adapter.deliver(req({"subject": "Hi", "secret_note": "internal"}))
+    assert json.loads(route.calls.last.request.content) == {"title": "Hi"}

@@ -196,3 +196,11 @@ def test_each_process_stops_at_start_up_on_a_broken_adapters_file(
     assert len(lines) == 1, done.stderr
     assert "helpdesk.auth.password" in lines[0]
     assert _digest(database) == before
+
+
+def test_a_broken_toml_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write(tmp_path, "[adapters.crm\nkind = 'http'\n")
+    code, out, err = run(capsys, "adapters", "check", "crm", "--adapters", str(path))
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "not valid TOML" in json.loads(err)["detail"]
