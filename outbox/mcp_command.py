@@ -12,7 +12,7 @@ from typing import Any
 
 from outbox import logs, settings
 
-TOKEN_ENV = "OUTBOX_TOKEN"  # also in outbox.mcp_server
+TOKEN_ENV = "OUTBOX_TOKEN"
 
 # --- the command ------------------------------------------------------------------------
 

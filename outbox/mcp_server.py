@@ -53,7 +53,6 @@ from outbox.service import Outbox, Principal
 logger = logging.getLogger("outbox.mcp")
 
 READ_TOOLS_GROUP = "outbox.mcp_tools"
-TOKEN_ENV = "OUTBOX_TOKEN"
 PRINCIPAL_SCOPE_KEY = "outbox.principal"
 MAX_ID = 2**63 - 1
 

@@ -16,14 +16,18 @@ errors render like ours: raise an ``OutboxError`` and ``problems`` answers.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import signal
 from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 import adapters
 from outbox import logs, metrics
@@ -83,12 +87,8 @@ def create_app(
     app.include_router(routes.router)
     app.include_router(approvals.router)
     if mcp:
-        from starlette.routing import Route
-
-        from outbox.mcp_server import HttpEndpoint
-
         # MCP over streamable HTTP: the same tokens, tenants and service calls.
-        endpoint = HttpEndpoint(box, load_entry_points=load_entry_points)
+        endpoint = _LazyMcp(box, load_entry_points=load_entry_points)
         app.router.routes.append(
             Route("/mcp", endpoint=endpoint, methods=["GET", "POST", "DELETE"])
         )
@@ -122,6 +122,28 @@ def _add_components(app: FastAPI, components: dict[str, Any]) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+class _LazyMcp:
+    """``/mcp``, with the MCP SDK imported at the first request, not at start-up.
+
+    The SDK is a large import: ``outbox serve`` (and every test app) starts as
+    fast as without it, and a deployment that never uses MCP never pays for it.
+    """
+
+    def __init__(self, box: Outbox, *, load_entry_points: bool) -> None:
+        self._box = box
+        self._load_entry_points = load_entry_points
+        self._endpoint: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._endpoint is None:
+            # Off the event loop; two first requests at once may both build one (harmless).
+            module = await anyio.to_thread.run_sync(importlib.import_module, "outbox.mcp_server")
+            self._endpoint = module.HttpEndpoint(
+                self._box, load_entry_points=self._load_entry_points
+            )
+        await self._endpoint(scope, receive, send)
 
 
 # --- outbox serve ------------------------------------------------------------------
