@@ -35,7 +35,7 @@ from outbox.api import problems
 
 PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
 EVERY_OPERATION_STATUSES = (400, 413, 500)
-AUTHENTICATED_STATUSES = (401, 503)
+AUTHENTICATED_STATUSES = (401, 429, 503)  # 429: the tenant's rate limit (ratelimit.RateLimitGate)
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
 _RETRY_AFTER = {
