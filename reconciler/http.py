@@ -75,7 +75,7 @@ class BulkBody(BaseModel):
     adapter: str | None = Field(default=None, max_length=100)
     problem: str | None = Field(default=None, max_length=40)
     older_than: str | None = Field(default=None, max_length=20, description="e.g. 15m, 2h, 1d")
-    reason: str = Field(default="dry run", min_length=1, max_length=review.REASON_MAX)
+    reason: str | None = Field(default=None, min_length=1, max_length=review.REASON_MAX)
     dry_run: bool = False
     bulk_id: str | None = Field(default=None, min_length=1, max_length=bulk.BULK_ID_MAX)
     actor: str | None = Field(default=None, min_length=1, max_length=100)
@@ -100,6 +100,10 @@ def routers() -> list[APIRouter]:
                     [{"field": "older_than", "message": "a duration like 90s, 15m, 2h or 1d"}]
                 )
             older_than = parsed
+        if not body.dry_run and not body.reason:
+            raise errors.InvalidArguments(
+                [{"field": "reason", "message": "say why: it is kept in every item's audit"}]
+            )
         bulk_id = body.bulk_id or request.headers.get("idempotency-key")
         where = bulk.Filter(
             principal.tenant, adapter=body.adapter, problem=body.problem, older_than=older_than
@@ -110,7 +114,7 @@ def routers() -> list[APIRouter]:
                 where,
                 action=body.action,
                 resolution=body.resolution,
-                reason=body.reason,
+                reason=body.reason or "dry run",
                 actor=principal.actor,
                 bulk_id=bulk_id or f"bulk_{uuid.uuid4().hex[:16]}",
                 dry_run=body.dry_run,

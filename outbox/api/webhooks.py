@@ -103,6 +103,13 @@ async def receive_webhook(adapter: AdapterName, request: Request, box: Box) -> J
         event = config.read(request.headers, body, data, signed_at)
     except ValueError as exc:
         raise InvalidEvent(f"{exc}; nothing was stored") from None
+    if (
+        "\x00" in event.body
+        or any("\x00" in (v or "") for v in (event.event_id, event.event_type, event.effect_key))
+        or "\x00" in (event.provider_ref or "")
+    ):
+        # PostgreSQL text cannot hold NUL: refuse it here, not with a 500 from the driver.
+        raise InvalidEvent("the event contains NUL characters; nothing was stored")
     received = await run_in_threadpool(
         lambda: webhooks.receive(box.engine, adapter, event, now=now)
     )

@@ -203,3 +203,39 @@ def test_reconciler_stops_cleanly_on_sigterm(sqlite_url: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_review_bulk_dry_run_then_act_then_repeat(run: Any, box: Outbox, clock: Clock) -> None:
+    ids = [create_effect(box, f"op-{i}") for i in range(3)]
+    for effect_id in ids:
+        put_unknown(box.engine, effect_id, at=clock(), needs_review=True)
+    base = ["review", "bulk", "--tenant", "acme", "--adapter", "helpdesk", "--action", "abandon"]
+    code, out, _ = run(*base, "--dry-run")
+    assert code == 0 and json.loads(out)["selected"] == 3
+    assert [row(box.engine, i).status for i in ids] == [S.OUTCOME_UNKNOWN] * 3
+    code, out, _ = run(*base, "--reason", "never happened", "--bulk-id", "b-1")
+    assert code == 0
+    assert json.loads(out) | {"sample": []} == {
+        "bulk_id": "b-1",
+        "action": "abandon",
+        "dry_run": False,
+        "selected": 3,
+        "applied": 3,
+        "skipped": 0,
+        "replayed": False,
+        "sample": [],
+    }
+    code, out, _ = run(*base, "--reason", "never happened", "--bulk-id", "b-1")
+    assert code == 0 and json.loads(out)["replayed"] is True
+    assert [row(box.engine, i).status for i in ids] == [S.FAILED] * 3
+    code, _, err = run(*base, "--bulk-id", "b-2")  # no reason: refused
+    assert code == 2 and "reason" in err
+    code, _, err = run(*base, "--older-than", "soon", "--dry-run")
+    assert code == 2 and "older-than" in err
+
+
+def test_groups_blocked_says_nothing_is_held_back(run: Any, box: Outbox) -> None:
+    code, out, _ = run("groups", "blocked", "--tenant", "acme")
+    assert (code, out.strip()) == (0, "no ordering group is held back")
+    code, out, _ = run("groups", "blocked", "--json")
+    assert (code, json.loads(out)) == (0, [])
