@@ -172,7 +172,7 @@ class Capabilities:
     lookup_settle_seconds: float = 0.0  # wait this long after the last attempt before a lookup
     # How long the provider remembers a key (Stripe: 24 h). None: for ever. Past
     # it, a resend with the same key could make a second effect, so Outbox
-    # stops resending and looks up instead (outbox.policy reads the window).
+    # stops resending and looks up instead (outbox.delivery.policy reads the window).
     key_retention_seconds: float | None = None
 
     def __post_init__(self) -> None:

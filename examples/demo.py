@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 import adapters
 from outbox import Outbox, db, errors, logs, schema, settings
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import sweeps
 
 TOOL = "create_support_task"

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from outbox.create import ExecuteResult
+    from outbox.creating.create import ExecuteResult
     from outbox.errors import OutboxError
     from outbox.service import Outbox, Principal
     from outbox.settings import Settings
@@ -20,7 +20,7 @@ __all__ = ["ExecuteResult", "Outbox", "OutboxError", "Principal", "Settings"]
 
 # Each top-level name -> the module that defines it.
 _LAZY = {
-    "ExecuteResult": "outbox.create",
+    "ExecuteResult": "outbox.creating.create",
     "Outbox": "outbox.service",
     "OutboxError": "outbox.errors",
     "Principal": "outbox.service",

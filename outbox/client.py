@@ -1,3 +1,5 @@
+# Longer than 500 lines on purpose: the blocking and the async client are mirror images,
+# kept in one module so a change to one is seen next to the other.
 """Clients for callers of the tool boundary: ``Client`` (blocking) and ``AsyncClient``.
 
     from outbox.client import Client

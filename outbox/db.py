@@ -1,3 +1,5 @@
+# Longer than 500 lines on purpose: the engine set-up of both databases, the driver-level
+# fast paths and the migration runner are the one place that knows each dialect's quirks.
 """Engines, transactions and the schema guard, for SQLite and PostgreSQL.
 
 SQLite: WAL journal (readers never block the writer), ``foreign_keys=ON``, a

@@ -28,19 +28,9 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 
 from outbox import app as apps
-from outbox import (
-    approvals,
-    create,
-    db,
-    errors,
-    metrics,
-    retention,
-    schema,
-    settings,
-    states,
-    tools,
-)
-from outbox.create import ExecuteResult
+from outbox import db, errors, metrics, schema, settings, states, tools
+from outbox.creating import approvals, create, retention
+from outbox.creating.create import ExecuteResult
 
 logger = logging.getLogger("outbox.create")
 
@@ -196,7 +186,7 @@ class Outbox:
             "updated_at": row.updated_at.isoformat(),
         }
 
-    # --- approvals (operator actions; see outbox.approvals) -------------------
+    # --- approvals (operator actions; see outbox.creating.approvals) -------------------
 
     def list_approvals(
         self,

@@ -28,8 +28,9 @@ from typing import Any
 
 import adapters
 from outbox import app as apps
-from outbox import errors, logs, metrics, settings, webhooks
+from outbox import errors, logs, metrics, settings
 from outbox.service import Outbox
+from outbox.settling import webhooks
 from reconciler import bulk, review, scheduler, sweeps
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox import states
-from outbox.mcp_server import ReadTool
+from outbox.mcp.server import ReadTool
 from outbox.service import Outbox, Principal
 from reconciler import review
 

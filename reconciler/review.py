@@ -32,7 +32,8 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 
-from outbox import db, errors, schema, settings, settle, states, webhooks
+from outbox import db, errors, schema, settings, states
+from outbox.settling import settle, webhooks
 
 S = states.EffectStatus
 Choice = states.ReviewChoice

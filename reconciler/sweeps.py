@@ -31,8 +31,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 import adapters
-from outbox import db, policy, retention, schema, settle, states, store, webhooks
+from outbox import db, schema, states
 from outbox import settings as outbox_settings
+from outbox.creating import retention
+from outbox.delivery import policy, store
+from outbox.settling import settle, webhooks
 
 logger = logging.getLogger("reconciler.sweeps")
 

@@ -33,8 +33,9 @@ import adapters
 from adapters import helpdesk
 from fake_provider import DropMode, Mode, ProviderConfig, create_app
 from fake_provider.faults import FaultSpec
-from outbox import Outbox, db, retry, schema, settings
-from outbox.dispatcher import Dispatcher
+from outbox import Outbox, db, schema, settings
+from outbox.delivery import retry
+from outbox.delivery.dispatcher import Dispatcher
 from tests.support.servers import serve_in_thread
 
 TARGET_S = 30.0

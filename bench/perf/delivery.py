@@ -82,7 +82,7 @@ def outbox_http(
 ) -> dict[str, Any]:
     import adapters
     from outbox import db, settings
-    from outbox.dispatcher import Dispatcher
+    from outbox.delivery.dispatcher import Dispatcher
 
     os.environ["OUTBOX_ADAPTERS"] = adapters_toml
     config = settings.load(

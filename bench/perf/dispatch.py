@@ -127,7 +127,7 @@ def dispatcher(
     import adapters
     from adapters.testing import NoopAdapter
     from outbox import db, settings
-    from outbox.dispatcher import Dispatcher
+    from outbox.delivery.dispatcher import Dispatcher
 
     config = settings.load(sqlite_synchronous="NORMAL", claim_batch_size=BATCH, **overrides)
     engine = db.create_engine(config, url=url)

@@ -68,7 +68,8 @@ def _receipt(record: dict[str, Any], task_id: int) -> None:
 
 def create_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
     from bench.perf import create_path
-    from outbox import create, db, schema
+    from outbox import db, schema
+    from outbox.creating import create
 
     backend = "sqlite" if sa.make_url(url).get_backend_name() == "sqlite" else "postgresql"
     task, record, effect = _create_rows(client, 0)
@@ -147,7 +148,7 @@ def drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str,
 
 
 def _pass_pg(conn: Any, owner: str) -> int:
-    from outbox import store
+    from outbox.delivery import store
 
     due = conn.execute(store._PG_DUE, {"limit": 100}).fetchall()
     if not due:
@@ -193,7 +194,8 @@ def _finish(c: Any, at: str) -> dict[str, Any]:
 
 
 def _pass_sqlite(conn: sqlite3.Connection, owner: str) -> int:
-    from outbox import schema, store
+    from outbox import schema
+    from outbox.delivery import store
 
     t = schema.sqlite_time
     now = datetime.now(UTC)

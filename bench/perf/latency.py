@@ -95,7 +95,7 @@ def outbox_latency(
 ) -> dict[str, Any]:
     import adapters
     from outbox import Outbox, db, settings
-    from outbox.dispatcher import Dispatcher
+    from outbox.delivery.dispatcher import Dispatcher
 
     config = settings.load(
         sqlite_synchronous="NORMAL", poll_interval=timedelta(milliseconds=SQLITE_POLL_MS)

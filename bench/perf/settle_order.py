@@ -38,9 +38,11 @@ import standardwebhooks
 
 import adapters
 from adapters.testing import NoopAdapter
-from outbox import Outbox, create, db, digest, schema, settings, states, store
+from outbox import Outbox, db, schema, settings, states
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.creating import create, digest
+from outbox.delivery import store
+from outbox.delivery.dispatcher import Dispatcher
 from tests.support.servers import serve_in_thread
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -139,7 +139,7 @@ class _LazyMcp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._endpoint is None:
             # Off the event loop; two first requests at once may both build one (harmless).
-            module = await anyio.to_thread.run_sync(importlib.import_module, "outbox.mcp_server")
+            module = await anyio.to_thread.run_sync(importlib.import_module, "outbox.mcp.server")
             self._endpoint = module.HttpEndpoint(
                 self._box, load_entry_points=self._load_entry_points
             )

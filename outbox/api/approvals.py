@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from outbox import approvals, create, states
+from outbox import states
 from outbox.api import auth, problems
+from outbox.creating import approvals, create
 from outbox.service import Outbox, Principal
 
 router = APIRouter(prefix="/v1/approvals", tags=["approvals"])

@@ -21,7 +21,8 @@ from __future__ import annotations
 from http_sfv.item import Item
 from starlette.requests import Request
 
-from outbox import create, errors
+from outbox import errors
+from outbox.creating import create
 
 HEADER = "Idempotency-Key"
 

@@ -23,9 +23,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from outbox import app as apps
-from outbox import create, db, errors, metrics, tools
+from outbox import db, errors, metrics, tools
 from outbox.api import auth, keys, problems
-from outbox.create import ExecuteResult
+from outbox.creating import create
+from outbox.creating.create import ExecuteResult
 from outbox.service import Outbox, Principal
 
 SUPPORT_TASK_TOOL = tools.SUPPORT_TASK.name

@@ -8,7 +8,7 @@ matches. Order of checks, each before the next:
 2. the signature, by one of the adapter's secrets, within its tolerance
    (else 401 problem ``invalid-signature``, nothing stored);
 3. the body is a JSON object with an event id and type (else 400, nothing stored);
-4. ``outbox.webhooks.receive``: stored once, matched, settled or kept.
+4. ``outbox.settling.webhooks.receive``: stored once, matched, settled or kept.
 
 Answers: 200 when the event found its effect (settled, confirmed, conflict,
 ignored) or was already received; 202 when it was kept for an effect we do
@@ -25,9 +25,10 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 import adapters
-from outbox import errors, states, webhooks
+from outbox import errors, states
 from outbox.api import auth, problems
 from outbox.service import Outbox
+from outbox.settling import webhooks
 
 Box = Annotated[Outbox, Depends(auth.get_box)]
 AdapterName = Annotated[str, Path(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]

@@ -38,8 +38,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.responses import RedirectResponse, Response
 
-from outbox import errors, ordering, states
+from outbox import errors, states
 from outbox import settings as outbox_settings
+from outbox.delivery import ordering
 from outbox.service import Outbox, Principal, hash_token
 from reconciler import bulk, review
 from reconciler.console import pages, plots, queries, session

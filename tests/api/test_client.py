@@ -384,7 +384,15 @@ def test_the_async_client_stops_at_the_calls_deadline(mock: respx.MockRouter) ->
 
 # --- a light import ---------------------------------------------------------------------
 
-HEAVY = ("sqlalchemy", "fastapi", "starlette", "pydantic", "alembic", "outbox.db", "outbox.create")
+HEAVY = (
+    "sqlalchemy",
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "alembic",
+    "outbox.db",
+    "outbox.creating.create",
+)
 
 
 def test_importing_the_client_loads_nothing_of_the_server() -> None:

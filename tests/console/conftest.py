@@ -37,7 +37,7 @@ from fake_provider import create_app as create_provider
 from fake_provider.faults import Outcome as Fault
 from outbox import Outbox, db, schema, settings
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import sweeps
 from tests.conftest import IN_CI
 from tests.support.servers import serve_in_thread

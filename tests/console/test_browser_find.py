@@ -21,7 +21,7 @@ from adapters import DeliveryRequest, DeliveryResult
 from adapters.testing import FakeAdapter
 from outbox import Outbox, schema, settings
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from tests.console.conftest import LAPTOP, PHONE, Console
 from tests.support.servers import serve_in_thread
 

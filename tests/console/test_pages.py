@@ -28,7 +28,7 @@ from adapters import DeliveryRequest, DeliveryResult
 from adapters.testing import FakeAdapter
 from outbox import Outbox, db, schema, settings
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import review
 from reconciler.console import pages, plots, queries
 from tests.conftest import Clock

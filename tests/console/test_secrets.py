@@ -28,7 +28,7 @@ from fake_provider import Mode, ProviderConfig
 from fake_provider import create_app as create_provider
 from outbox import Outbox, cli, db, schema, settings
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import sweeps
 from tests.support.servers import serve_in_thread
 

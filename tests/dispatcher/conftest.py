@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 import adapters
 from fake_provider import Mode, ProviderConfig, create_app
 from outbox import db, settings
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from tests.dispatcher.support import Provider, provider_on
 
 # Small, explicit numbers so a test can reason about every retry.

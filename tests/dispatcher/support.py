@@ -20,7 +20,8 @@ import adapters
 from adapters import helpdesk
 from fake_provider import FaultSpec
 from fake_provider.testing import ProviderTransport
-from outbox import create, db, digest, schema, states
+from outbox import db, schema, states
+from outbox.creating import create, digest
 from tests.conftest import _admin_engine
 from tests.support.servers import serve_in_thread
 

@@ -17,7 +17,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 import adapters
-from outbox import db, schema, settings, store
+from outbox import db, schema, settings
+from outbox.delivery import store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, claim_concurrently, row, seed, terminate_backends
 

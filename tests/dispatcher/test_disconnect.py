@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from adapters import DeliveryRequest, DeliveryResult
 from outbox import db, faults, schema, settings
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from outbox.states import AttemptOutcome, EffectStatus
 from tests.dispatcher.support import attempts, seed, statuses, terminate_backends
 from tests.dispatcher.test_dispatcher import fake

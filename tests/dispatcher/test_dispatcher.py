@@ -11,7 +11,8 @@ import pytest
 import adapters
 from adapters import DeliveryRequest, DeliveryResult
 from adapters.testing import FakeAdapter
-from outbox import faults, metrics, schema, store
+from outbox import faults, metrics, schema
+from outbox.delivery import store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
 from tests.support.patience import PATIENCE_S

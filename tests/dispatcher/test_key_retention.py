@@ -17,7 +17,8 @@ from sqlalchemy.engine import Engine
 import adapters
 from adapters import helpdesk
 from fake_provider import ProviderConfig, create_app
-from outbox import policy, settings, store
+from outbox import settings
+from outbox.delivery import policy, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from reconciler import sweeps
 from tests.conftest import Clock

@@ -25,7 +25,8 @@ from sqlalchemy.engine import Engine
 
 import adapters
 from fake_provider import DropMode, FaultSpec, Mode, ProviderConfig, create_app
-from outbox import db, schema, store
+from outbox import db, schema
+from outbox.delivery import store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
 from tests.support.patience import PATIENCE_S

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from outbox import policy, retry
+from outbox.delivery import policy, retry
 from outbox.states import AttemptOutcome, EffectStatus
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 import adapters
-from outbox import policy, store
+from outbox.delivery import policy, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.conftest import Clock
 from tests.dispatcher.support import attempts, claim_concurrently, row, rows, seed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from outbox import wakeup
+from outbox.delivery import wakeup
 from tests.support.patience import PATIENCE_S
 
 

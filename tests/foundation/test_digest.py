@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from outbox import digest
+from outbox.creating import digest
 
 
 def test_key_order_and_whitespace_do_not_matter():

@@ -16,7 +16,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import exc
 
-from outbox import Outbox, create, db, errors, schema, states
+from outbox import Outbox, db, errors, schema, states
+from outbox.creating import create
 
 
 def _task(tenant: str, operation_id: str, at: datetime) -> dict[str, object]:

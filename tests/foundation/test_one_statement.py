@@ -20,7 +20,8 @@ import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 
-from outbox import Outbox, create, db, errors, faults, schema, tools
+from outbox import Outbox, db, errors, faults, schema, tools
+from outbox.creating import create
 from tests.foundation.conftest import counts
 
 TOOL = "create_support_task"

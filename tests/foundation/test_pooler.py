@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import db, settings
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from outbox.service import Outbox
 from tests.conftest import POSTGRES_URL
 

@@ -67,7 +67,7 @@ def test_tombstones_are_forgotten_after_their_own_retention(box: Outbox, clock):
 def test_prune_works_in_batches(box: Outbox, clock):
     for i in range(7):
         box.execute("acme", f"op-{i}", TOOL, {"subject": "s", "helpdesk": False})
-    from outbox import retention
+    from outbox.creating import retention
 
     result = retention.prune(
         box.engine,

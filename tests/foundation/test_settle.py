@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, db, schema, settle, states
+from outbox import Outbox, db, schema, states
+from outbox.settling import settle
 
 S = states.EffectStatus
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import adapters
 from outbox import db, schema, settings, tools
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from outbox.service import Outbox
 from tests.dispatcher.conftest import TEST_SETTINGS
 from tests.dispatcher.support import Provider

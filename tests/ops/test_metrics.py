@@ -22,7 +22,7 @@ import adapters
 from adapters.testing import FakeAdapter
 from outbox import db, metrics, schema, settings
 from outbox.api import create_app
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from outbox.service import Outbox
 from tests.support.patience import PATIENCE_S
 from tests.support.servers import serve_in_thread

@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 import adapters
 from fake_provider import FaultSpec, ProviderConfig, create_app
-from outbox import Outbox, db, ordering, schema, settings, states, tools
-from outbox.dispatcher import Dispatcher
+from outbox import Outbox, db, schema, settings, states, tools
+from outbox.delivery import ordering
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import review, sweeps
 from tests.conftest import Clock
 from tests.dispatcher.conftest import TEST_SETTINGS

@@ -17,7 +17,7 @@ from fake_provider.app import create_app
 from fake_provider.config import Mode, ProviderConfig
 from fake_provider.faults import FaultSpec, Outcome
 from outbox import Outbox, states
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import review, sweeps
 from tests.conftest import Clock
 from tests.reconciler.support import ADAPTER, create_effect, row

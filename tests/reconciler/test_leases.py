@@ -9,7 +9,8 @@ from datetime import timedelta
 
 from adapters import Capabilities, Registry
 from adapters.testing import FakeAdapter
-from outbox import Outbox, schema, states, store
+from outbox import Outbox, schema, states
+from outbox.delivery import store
 from reconciler import sweeps
 from tests.conftest import Clock
 from tests.reconciler.support import ADAPTER, IGNORING_WITH_LOOKUP, create_effect, row, rows

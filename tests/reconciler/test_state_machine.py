@@ -65,9 +65,10 @@ from adapters import (
     Registry,
 )
 from adapters.testing import FakeAdapter
-from outbox import Outbox, db, errors, schema, states, store, tools
+from outbox import Outbox, db, errors, schema, states, tools
 from outbox import settings as outbox_settings
-from outbox.dispatcher import Dispatcher
+from outbox.delivery import store
+from outbox.delivery.dispatcher import Dispatcher
 from reconciler import review, sweeps
 from tests.conftest import Clock
 from tests.reconciler.support import ADAPTER, TENANT

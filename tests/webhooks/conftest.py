@@ -17,7 +17,7 @@ from fake_provider import Mode, ProviderConfig, create_app
 from fake_provider import webhooks as provider_webhooks
 from outbox import Outbox, settings
 from outbox.api import create_app as create_api
-from outbox.dispatcher import Dispatcher
+from outbox.delivery.dispatcher import Dispatcher
 from tests.conftest import Clock
 from tests.dispatcher.conftest import TEST_SETTINGS
 from tests.support.servers import serve_in_thread

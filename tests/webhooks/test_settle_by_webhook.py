@@ -211,7 +211,7 @@ def test_a_contradicting_event_on_a_terminal_effect_is_a_conflict_and_reopens_no
         effect.fence,
         effect.updated_at,
     )
-    from outbox import webhooks
+    from outbox.settling import webhooks
 
     (conflict,) = webhooks.conflicts(stack.box.engine, tenant=TENANT)
     assert conflict["effect_id"] == effect.id and conflict["event_id"] == "evt_failed"
@@ -225,7 +225,7 @@ def test_a_dispatcher_settled_under_loses_its_fence_and_only_records_its_attempt
 ) -> None:
     stack = make_stack(mode="honour", honours=True)
     _create(stack, 1)
-    from outbox import store
+    from outbox.delivery import store
 
     claim = store.claim_due(
         stack.box.engine,
@@ -240,7 +240,7 @@ def test_a_dispatcher_settled_under_loses_its_fence_and_only_records_its_attempt
         }
     ).encode()
     assert _post(stack, clock, "evt_fast", body).json()["disposition"] == "settled"
-    from outbox import policy
+    from outbox.delivery import policy
 
     recorded = store.finish_attempts(
         stack.box.engine,

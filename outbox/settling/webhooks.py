@@ -37,7 +37,8 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 
 import adapters
-from outbox import db, schema, settle, states
+from outbox import db, schema, states
+from outbox.settling import settle
 
 logger = logging.getLogger("outbox.webhooks")
 

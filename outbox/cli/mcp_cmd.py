@@ -58,7 +58,7 @@ def register(subparsers: Any) -> None:
 def cli_run(args: argparse.Namespace) -> int:
     import anyio
 
-    from outbox.mcp_server import Surface, serve_stdio
+    from outbox.mcp.server import Surface, serve_stdio
     from outbox.service import Outbox
 
     config = settings.load()

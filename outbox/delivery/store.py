@@ -1,3 +1,5 @@
+# Longer than 500 lines on purpose: every statement of an effect's life (claim, attempt,
+# finish, release, expiry) lives here, in both dialects, so the fencing rules read in one place.
 """The persistence port of delivery: claim, renew, finish, release, expire.
 
 Named by protocol, not CRUD. Every function takes the engine and opens its own
@@ -38,7 +40,8 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 import adapters
-from outbox import db, policy, schema, states
+from outbox import db, schema, states
+from outbox.delivery import policy
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 
 S = EffectStatus

@@ -24,7 +24,8 @@ from importlib import metadata
 from typing import Any
 
 from outbox import app as apps
-from outbox import errors, groups_cli, settings
+from outbox import errors, settings
+from outbox.cli import groups_cmd as groups_cli
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -327,15 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="apply retention once (the reconciler does it on schedule)")
     p.set_defaults(handler=cmd_prune)
 
-    from outbox import app_cli
+    from outbox.cli import tools_cmd as app_cli
 
     app_cli.register(sub)
 
-    from outbox import adapters_cli
+    from outbox.cli import adapters_cmd as adapters_cli
 
     adapters_cli.register(sub)
 
-    from outbox import approvals_cli, mcp_command
+    from outbox.cli import approvals_cmd as approvals_cli
+    from outbox.cli import mcp_cmd as mcp_command
 
     approvals_cli.register(sub)
     mcp_command.register(sub)
@@ -392,8 +394,8 @@ def _add_common_options_below(parser: argparse.ArgumentParser, seen: set[int]) -
 # when the command runs, its options function when the parser is built.
 PROCESS_COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("outbox.api", "cli_serve", "cli_options"),
-    "dispatcher": ("outbox.dispatcher", "cli_run", "cli_options"),
-    "dev": ("outbox.dev", "cli_run", "cli_options"),
+    "dispatcher": ("outbox.delivery.dispatcher", "cli_run", "cli_options"),
+    "dev": ("outbox.cli.dev", "cli_run", "cli_options"),
 }
 PROCESS_HELP = {
     "serve": "run the HTTP API and the operator console",

@@ -1,3 +1,5 @@
+# Longer than 500 lines on purpose: the MCP surface's tool list, schemas, results and
+# both transports' authentication are one translation of the service for agent hosts.
 """The tool boundary over the Model Context Protocol: ``outbox mcp`` (stdio) and ``/mcp`` (HTTP).
 
 Built on the official SDK's low-level ``Server``: every tool of the loaded
@@ -46,8 +48,9 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from outbox import create, errors, faults, states, tools
+from outbox import errors, faults, states, tools
 from outbox.api import problems
+from outbox.creating import create
 from outbox.service import Outbox, Principal
 
 logger = logging.getLogger("outbox.mcp")

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def cmd_groups_blocked(args: argparse.Namespace) -> int:
     # Imported here: building the parser stays light for every other command.
-    from outbox import ordering
+    from outbox.delivery import ordering
     from outbox.service import Outbox
 
     with Outbox(getattr(args, "database_url", None)) as box:

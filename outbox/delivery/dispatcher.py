@@ -1,3 +1,6 @@
+# Longer than 500 lines on purpose: the delivery loop, its threads, the budget and breaker
+# bookkeeping and the stop protocol share one lock and one state; split, they would share it
+# across modules.
 """``outbox dispatcher``: deliver due outbox rows through their adapters.
 
 One pass (``run_once``):
@@ -56,7 +59,8 @@ from sqlalchemy.engine import Engine
 
 import adapters
 from outbox import app as apps
-from outbox import db, faults, logs, metrics, policy, retry, schema, settings, store, wakeup
+from outbox import db, faults, logs, metrics, schema, settings
+from outbox.delivery import policy, retry, store, wakeup
 from outbox.states import AttemptOutcome, EffectStatus
 
 logger = logging.getLogger("outbox.dispatcher")
