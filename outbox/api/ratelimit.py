@@ -198,6 +198,10 @@ class RateLimitGate:
             if decision is not None and not decision.allowed:
                 from outbox.api import problems
 
+                # Refused here too: the connection's next request waits for Retry-After.
+                state[PAUSE_READING_KEY] = min(
+                    float(decision.retry_after), PAUSE_READING_MAX_SECONDS
+                )
                 await problems.render(RateLimited(decision))(scope, receive, send)
                 return
             # Counted here: authentication must not count it again.
