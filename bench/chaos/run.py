@@ -60,7 +60,7 @@ SERVICE_ENV = {
     "OUTBOX_RETRY_BUDGET_MIN_PER_WINDOW": "100000",
     "OUTBOX_SHUTDOWN_GRACE": "2s",
     # One tenant calls as fast as the workers go: the chaos run is about crashes and
-    # faults; rate limits have their own tests (tests/api/test_ratelimit.py, test_flood.py).
+    # faults; rate limits have their own tests (tests/api/test_ratelimit.py; the fairness figure: make bench-flood).
     "OUTBOX_RATE_LIMIT": "none",
     "OUTBOX_LOG_LEVEL": "WARNING",
 }

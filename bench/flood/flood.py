@@ -1,6 +1,6 @@
 """A flooding client, run as its own process by the fairness test.
 
-    python -m tests.api.flood HOST PORT TOKEN [--connections 32] [--max-requests 20000]
+    python -m bench.flood.flood HOST PORT TOKEN [--connections 32] [--max-requests 20000]
 
 Keeps ``--connections`` keep-alive connections busy with ``GET /v1/tasks/1``
 as fast as the server answers, ignoring ``Retry-After`` (an abusive client).

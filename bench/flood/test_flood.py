@@ -3,7 +3,7 @@ Retry-After; another tenant's p99 stays within 3x of its unloaded p99.
 
 ``outbox serve`` runs as a real process with its production settings (the
 default rate limit; the flooding tenant has its own, lower one). The flood is
-``tests.api.flood``, a separate process with 32 keep-alive connections that
+``bench.flood.flood``, a separate process with 32 keep-alive connections that
 ignores Retry-After. The victim makes a fixed number of sequential reads,
 first with nobody else calling, then while the flood runs; the flood is
 stopped only after the victim's last request, and must not have run out of
@@ -111,7 +111,7 @@ def test_a_flooding_tenant_gets_429s_and_another_tenants_p99_stays_within_3x(tmp
                     [
                         sys.executable,
                         "-m",
-                        "tests.api.flood",
+                        "bench.flood.flood",
                         "127.0.0.1",
                         str(port),
                         flood_token,
