@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -125,17 +124,34 @@ class ApiKeyAuth:
         pass
 
 
-def _authlib_client() -> Any:
-    # authlib prefers the httpx2 distribution and warns when it falls back to
-    # httpx, which is the client every other part of this package uses. Its
-    # deprecate module installs an "always" filter when imported: import it
-    # first, so the "ignore" below is the filter in force for the import.
-    import authlib.deprecate  # noqa: F401
+def _token_request(
+    client_id: str,
+    client_secret: str,
+    client_auth: str,
+    scope: str | None,
+    extra: Mapping[str, str],
+) -> tuple[dict[str, str], str]:
+    """Headers and form body of an RFC 6749 section 4.4 token request, encoded by authlib.
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from authlib.integrations.httpx_client import OAuth2Client
-    return OAuth2Client
+    authlib's own httpx client is not used: where the ``httpx2`` distribution is
+    installed (the MCP SDK brings it) authlib switches to it, and our httpx
+    transports (connection limits, tests' mocks) would no longer apply.
+    """
+    from authlib.common.encoding import to_native
+    from authlib.oauth2.rfc6749.parameters import prepare_token_request
+
+    fields = dict(extra)
+    headers = {
+        "Accept": "application/json",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+    if client_auth == "body":
+        fields.update(client_id=client_id, client_secret=client_secret)
+    else:
+        pair = f"{quote(client_id, safe='')}:{quote(client_secret, safe='')}"
+        headers["Authorization"] = "Basic " + to_native(base64.b64encode(pair.encode()))
+    body = prepare_token_request("client_credentials", scope=scope, **fields)
+    return headers, body
 
 
 @dataclass(eq=False)
@@ -170,22 +186,27 @@ class OAuth2ClientCredentials:
 
         return time.monotonic()
 
-    def _oauth_client(self) -> Any:
+    def _oauth_client(self) -> httpx.Client:
         if self._client is None:
-            client_class = _authlib_client()
-            self._client = client_class(
-                client_id=self.client_id,
-                client_secret=self.client_secret.reveal(),
-                token_endpoint_auth_method=(
-                    "client_secret_post" if self.client_auth == "body" else "client_secret_basic"
-                ),
-                scope=self.scope,
+            self._client = httpx.Client(
                 transport=self.transport,
                 timeout=OAUTH2_TOKEN_TIMEOUT_DEFAULT,
                 follow_redirects=False,
                 trust_env=False,
             )
-        return self._client
+        client: httpx.Client = self._client
+        return client
+
+    def _fetch(self, extra: Mapping[str, str]) -> Mapping[str, Any]:
+        headers, body = _token_request(
+            self.client_id, self.client_secret.reveal(), self.client_auth, self.scope, extra
+        )
+        answer = self._oauth_client().post(self.token_url, content=body, headers=headers)
+        answer.raise_for_status()
+        reply = answer.json()
+        if not isinstance(reply, Mapping):
+            raise ValueError("the token reply is not a JSON object")
+        return reply
 
     def token(self) -> str:
         """A live access token: the cached one, or a new one from the token endpoint."""
@@ -197,9 +218,7 @@ class OAuth2ClientCredentials:
             if self.audience:
                 extra["audience"] = self.audience
             try:
-                reply: Mapping[str, Any] = self._oauth_client().fetch_token(
-                    self.token_url, grant_type="client_credentials", **extra
-                )
+                reply = self._fetch(extra)
             except Exception as exc:  # noqa: BLE001 - any failure here means "not sent"
                 raise AuthUnavailable(
                     f"OAuth2 token request to {self.token_url} failed: {type(exc).__name__}"
