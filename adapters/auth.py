@@ -205,7 +205,7 @@ class OAuth2ClientCredentials:
         answer.raise_for_status()
         reply = answer.json()
         if not isinstance(reply, Mapping):
-            raise ValueError("the token reply is not a JSON object")
+            raise TypeError("the token reply is not a JSON object")
         return reply
 
     def token(self) -> str:

@@ -167,7 +167,9 @@ class App:
 
     # --- checks ----------------------------------------------------------------------
 
-    def check(self, adapters_path: str | os.PathLike[str] | None = None) -> None:
+    def check(
+        self, adapters_path: str | os.PathLike[str] | None = None, *, adapters: bool = True
+    ) -> None:
         """Everything that can be checked before anything runs; ``AppError`` on the first fault."""
         for name in self.tools.names():
             tool = self.tools.get(name)
@@ -187,6 +189,8 @@ class App:
             raise AppError(
                 f"app {self.name!r}: migrations need the tables' metadata (App(metadata=...))"
             )
+        if not adapters:
+            return  # a command that never reaches a provider needs none of its secrets
         registry = self.build_adapters(adapters_path)
         try:
             known = set(registry.names())
@@ -287,6 +291,7 @@ def load_app(
     *,
     env: Mapping[str, str] | None = None,
     check: bool = True,
+    check_adapters: bool = True,
     adapters_path: str | os.PathLike[str] | None = None,
 ) -> App:
     """The app named by ``spec`` (else ``$OUTBOX_APP``, else the demo), checked.
@@ -301,7 +306,7 @@ def load_app(
     if check:
         if adapters_path is None:
             adapters_path = environ.get(adapters.ADAPTERS_ENV) or None
-        app.check(adapters_path)
+        app.check(adapters_path, adapters=check_adapters)
     return app
 
 
@@ -349,12 +354,20 @@ def _import(spec: str, source: str) -> App:
     return value
 
 
+# Commands that never build adapters: a broken or secret-less adapters file must not
+# stop a migration or a token being made (the processes that deliver still refuse it).
+NO_ADAPTER_COMMANDS = frozenset({"db", "tenants", "tokens"})
+
+
 def from_args(args: Any) -> App:
     """The app a parsed command line names (loaded once; ``main`` loads it up front)."""
     app = getattr(args, "loaded_app", None)
     if isinstance(app, App):
         return app
-    app = load_app(getattr(args, "app", None))
+    app = load_app(
+        getattr(args, "app", None),
+        check_adapters=getattr(args, "command", None) not in NO_ADAPTER_COMMANDS,
+    )
     args.loaded_app = app
     return app
 

@@ -712,7 +712,8 @@ class Console:
                 sign[1].tenant,
                 operation_id,
                 decision,
-                actor=sign[1].actor,
+                # The token is the actor; the name typed at sign-in is only a note.
+                actor=f"{sign[1].actor}; note: {sign[1].name}" if sign[1].name else sign[1].actor,
                 reason=_text(form, "reason"),
             )
         except ValueError:

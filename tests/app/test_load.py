@@ -217,10 +217,15 @@ def test_a_broken_adapters_file_is_refused_at_start_up(tmp_path, monkeypatch, ca
     (tmp_path / name / "adapters.toml").write_text(toml, encoding="utf-8")
     monkeypatch.delenv("OUTBOX_ADAPTERS", raising=False)
     url = f"sqlite:///{tmp_path / 'never.db'}"
-    code, _, err = run_cli(capsys, "db", "upgrade", "--app", f"{name}:app", "--database-url", url)
+    # A process that delivers refuses it before touching the database...
+    code, _, err = run_cli(
+        capsys, "reconciler", "--once", "--app", f"{name}:app", "--database-url", url
+    )
     assert code == cli.EXIT_INVALID and err.count("\n") == 1, err
     assert says in err
     assert not (tmp_path / "never.db").exists()
+    # ...while a migration, which reaches no provider, needs none of its adapters.
+    assert run_cli(capsys, "db", "upgrade", "--app", f"{name}:app", "--database-url", url)[0] == 0
 
 
 def test_adapters_from_a_file_and_from_python_are_merged(tmp_path, monkeypatch):

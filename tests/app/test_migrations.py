@@ -45,7 +45,7 @@ def test_upgrade_applies_the_apps_migrations_after_outboxs_and_twice_is_a_no_op(
         Outbox(db_url, app=_app())
     assert cli.main(["db", "upgrade", "--app", EXAMPLE_APP, "--database-url", db_url]) == 0
     out = capsys.readouterr().out
-    assert "already at 0001; nothing to do" in out
+    assert f"already at {db.head_revision()}; nothing to do" in out
     assert "app refunds: upgraded empty -> refunds_0001" in out
     assert {"refunds", "alembic_version_refunds", "operations"} <= tables(db_url)
     assert versions(db_url) == {
@@ -65,7 +65,9 @@ def test_upgrade_of_an_empty_database_creates_both(tmp_path: Path, example_path,
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     assert cli.main(["--app", EXAMPLE_APP, "--database-url", url, "db", "upgrade"]) == 0
     out = capsys.readouterr().out
-    assert "upgraded empty -> 0001" in out and "upgraded empty -> refunds_0001" in out
+    assert (
+        f"upgraded empty -> {db.head_revision()}" in out and "upgraded empty -> refunds_0001" in out
+    )
     assert versions(url)["alembic_version_refunds"] == "refunds_0001"
 
 

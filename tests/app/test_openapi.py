@@ -96,6 +96,6 @@ async def test_an_unknown_tool_lists_the_known_ones(db_url, refunds_app):
             )
     assert response.status_code == 404
     problem = response.json()
-    assert problem["type"] == "unknown-tool"
+    assert problem["type"] == "/problems/unknown-tool"
     assert problem["known_tools"] == ["issue_refund", "notify_customer"]
     assert "known tools: issue_refund, notify_customer" in problem["detail"]

@@ -74,9 +74,11 @@ def test_approve_and_reject_from_the_console(box: Outbox, operator_token: str):
         )
         assert forged.status_code == 403
         decided = client.get("/console/approvals?status=approved")
-        assert "Grace (token:" in decided.text
+        # The audit's actor is the signed-in token; the typed name is only a note.
+        assert "token:" in decided.text and "note: Grace" in decided.text
     a = box.show_approval("acme", "refund-a")
     b = box.show_approval("acme", "refund-b")
     assert (a["status"], b["status"]) == ("approved", "rejected")
-    assert a["decision"]["actor"].startswith("Grace (token:")
+    assert a["decision"]["actor"].startswith("token:")
+    assert a["decision"]["actor"].endswith("; note: Grace")
     assert support.count(box, schema.approval_actions) == 2

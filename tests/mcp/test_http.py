@@ -81,8 +81,8 @@ async def test_another_tenant_finds_nothing_of_the_first(
         task = await client.call_tool("get_task", {"task_id": mine["receipt"]["task_id"]})
         # The same key under another tenant is another operation, not the first's receipt.
         theirs = support.structured(await client.call_tool("create_support_task", call))
-    assert read.is_error is True and support.structured(read)["type"] == "not-found"
-    assert task.is_error is True and support.structured(task)["type"] == "not-found"
+    assert read.is_error is True and support.structured(read)["type"] == "/problems/not-found"
+    assert task.is_error is True and support.structured(task)["type"] == "/problems/not-found"
     assert theirs["replayed"] is False
     assert theirs["receipt"]["task_id"] != mine["receipt"]["task_id"]
 
@@ -105,5 +105,5 @@ def test_a_request_without_a_valid_token_gets_401(base_url: str, box: Outbox):
         response = httpx.post(f"{base_url}/mcp", json=body, headers={**headers, **auth})
         assert response.status_code == 401
         assert response.headers["www-authenticate"] == "Bearer"
-        assert response.json()["type"] == "unauthenticated"
+        assert response.json()["type"] == "/problems/unauthenticated"
     assert support.count(box, schema.operations) == 0

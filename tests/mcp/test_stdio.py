@@ -96,13 +96,16 @@ async def test_one_session_lists_replays_refuses_and_follows_the_delivery(
         )
         assert changed.is_error is True
         problem = support.structured(changed)
-        assert problem["type"] == "idempotency-key-reused"
+        assert problem["type"] == "/problems/idempotency-key-reused"
         assert problem["retry"] == "never"
         assert set(problem) >= {"type", "title", "detail", "retry", "retry_after"}
         missing = support.structured(await client.call_tool("create_support_task", ARGS))
-        assert (missing["type"], missing["retry"]) == ("invalid-operation-id", "after_fix")
+        assert (missing["type"], missing["retry"]) == (
+            "/problems/invalid-operation-id",
+            "after_fix",
+        )
         bad = await client.call_tool("create_support_task", {"operation_id": "op-y"})
-        assert support.structured(bad)["type"] == "invalid-arguments"
+        assert support.structured(bad)["type"] == "/problems/invalid-arguments"
         assert support.count(box, schema.tasks) == 1
 
         # Delivered once; a later retry shows the effect's state, the receipt unchanged.
@@ -126,7 +129,7 @@ async def test_one_session_lists_replays_refuses_and_follows_the_delivery(
         assert box.revoke_token(agent_token)
         refused = await client.call_tool("create_support_task", {**call, "operation_id": "r"})
         assert refused.is_error is True
-        assert support.structured(refused)["type"] == "unauthenticated"
+        assert support.structured(refused)["type"] == "/problems/unauthenticated"
     assert support.count(box, schema.tasks) == 1
 
 

@@ -37,6 +37,14 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def _detail(err: str) -> str:
+    """A configuration error is one plain line on stderr: ``outbox: <detail>``."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("outbox: "), err
+    return lines[0].removeprefix("outbox: ")
+
+
 def test_presets_lists_the_six(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "adapters", "presets")
     assert code == 0
@@ -84,7 +92,7 @@ def test_a_misspelt_key_exits_non_zero_with_did_you_mean(
     code, out, err = run(capsys, "adapters", "check", "crm", "--adapters", str(path))
     assert code != 0 and out == ""
     assert len(err.strip().splitlines()) == 1
-    detail = json.loads(err)["detail"]
+    detail = _detail(err)
     assert "crm.refernce_field" in detail and "did you mean 'reference_field'" in detail
 
 
@@ -96,7 +104,7 @@ def test_a_missing_secret_is_named(capsys: pytest.CaptureFixture[str], tmp_path:
     )
     code, _, err = run(capsys, "adapters", "check", "crm", "--adapters", str(path))
     assert code != 0
-    detail = json.loads(err)["detail"]
+    detail = _detail(err)
     assert "crm.auth.token" in detail and "${MISSING}" in detail
 
 
@@ -114,7 +122,7 @@ def test_a_template_naming_a_field_the_sample_lacks(
         capsys, "adapters", "check", "crm", "--adapters", str(path), "--payload", str(payload)
     )
     assert code != 0
-    detail = json.loads(err)["detail"]
+    detail = _detail(err)
     assert "crm.body.title" in detail and "payload.subject" in detail
 
 
@@ -123,7 +131,7 @@ def test_an_unknown_adapter_name_gets_did_you_mean(
 ) -> None:
     path = write(tmp_path, '[adapters.helpdesk]\nkind = "helpdesk"\n')
     code, _, err = run(capsys, "adapters", "check", "helpdsk", "--adapters", str(path))
-    assert code != 0 and "did you mean 'helpdesk'" in json.loads(err)["detail"]
+    assert code != 0 and "did you mean 'helpdesk'" in _detail(err)
 
 
 def test_live_sends_one_lookup_for_a_key_that_cannot_exist(
@@ -203,4 +211,4 @@ def test_a_broken_toml_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
     code, out, err = run(capsys, "adapters", "check", "crm", "--adapters", str(path))
     assert code != 0 and out == ""
     assert len(err.strip().splitlines()) == 1
-    assert "not valid TOML" in json.loads(err)["detail"]
+    assert "not valid TOML" in _detail(err)
