@@ -161,13 +161,17 @@ def test_reconciler_once_runs_every_sweep_and_says_what_it_did(
 
 
 def test_reconciler_once_logs_json_lines_that_carry_the_operation_id(
-    run: Any, box: Outbox, clock: Clock
+    db_url: str, box: Outbox, clock: Clock
 ) -> None:
     late = create_effect(box, operation_id="op-late")
     update(box.engine, late, deadline_at=clock() - timedelta(seconds=1))
-    code, _, err = run("reconciler", "--once", "--log-format", "json")
-    assert code == 0
-    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
+    # A process of its own, as it runs: every line it writes must be JSON, and no
+    # thread left over from another test in this interpreter can write among them.
+    argv = [sys.executable, "-m", "outbox.cli", "--database-url", db_url]
+    argv += ["reconciler", "--once", "--log-format", "json"]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
     (deadline,) = [d for d in lines if "past its deadline" in d["message"]]
     assert deadline["operation_id"] == "op-late"
     assert (deadline["tenant"], deadline["effect_id"]) == ("acme", late)

@@ -133,8 +133,12 @@ def _standard(secret: str, msg_id: str, at, body: bytes) -> str:
 
 def test_stripe_format_and_secret_rotation(make_stack: MakeStack, clock) -> None:
     stack = make_stack(fmt="stripe")
+    # Held until the dispatcher has recorded its replies: an event that overtakes the
+    # reply settles the effect itself ("settled"), a race this test is not about.
+    stack.sender.pause()
     _create(stack, 2)
     assert stack.dispatcher.run_once(now=clock()) == 2  # delivered normally
+    stack.sender.resume()
     _flush(stack)
     events = _events(stack)
     assert sorted(e.disposition for e in events) == ["confirmed", "confirmed"]
