@@ -105,7 +105,15 @@ class Tool:
     destructive: bool = False
     # Each call waits for an operator: the receipt commits as awaiting_approval
     # with its effects held, and nothing reaches a provider until approval.
-    requires_approval: bool = False
+    # A function of the validated arguments asks only for some calls ("refunds
+    # over 500 EUR"); it must depend on the arguments alone, so that a retry of
+    # the same call is held, or not, as the first one was.
+    requires_approval: bool | Callable[[Any], bool] = False
+
+    def needs_approval(self, arguments: BaseModel) -> bool:
+        """Whether this call, with these validated arguments, waits for an operator."""
+        rule = self.requires_approval
+        return bool(rule(arguments)) if callable(rule) else bool(rule)
 
     def validate(self, arguments: Any) -> BaseModel:
         """Validate and normalise; raise ``InvalidArguments`` naming every bad field."""

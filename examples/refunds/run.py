@@ -5,9 +5,11 @@ honour mode, chat in ignore mode, each dropping its first reply after
 committing), ``outbox serve``, ``outbox dispatcher`` and ``outbox reconciler``,
 all with ``OUTBOX_APP=refunds_app.app:app``, after ``outbox db upgrade`` and a
 tenant and token made with ``outbox tenants create`` / ``outbox tokens create``.
-Then it only speaks HTTP: every call twice with one Idempotency-Key (the
-second must replay byte for byte), then it waits until every effect is
-settled, and reads the providers' ledgers for duplicates.
+Then it speaks HTTP: every call twice with one Idempotency-Key (the second
+must replay byte for byte). One refund is over the approval limit: it answers
+202 awaiting_approval and its effect stays held until ``outbox approvals
+approve`` releases it. Then it waits until every effect is settled, and reads
+the providers' ledgers for duplicates.
 
 The last line it prints:
 
@@ -22,6 +24,7 @@ Exit status 0 only if every effect was delivered once.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -42,6 +45,7 @@ PORTS_IN_FILE = {"payments": 9101, "chat": 9102}
 TIMEOUT_SECONDS = 300.0  # generous: a busy 2-core machine, five Python processes
 REFUNDS = 5
 MESSAGES = 5
+LARGE_REFUND = "refund-large"  # over the approval limit: an operator approves it
 
 
 def free_port() -> int:
@@ -143,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(name, lambda url=health: answers(url), procs)
         wait_for("the API", lambda: answers(f"{api}/readyz"), procs)
         say(f"example: serving on {api} (logs in {work})")
-        return drive(api, token, ports, procs)
+
+        def approve(operation_id: str) -> None:
+            reason = "checked with finance"
+            decided = json.loads(
+                run("approvals", "approve", operation_id, "--tenant", "shop", "--reason", reason)
+            )
+            say(f"example: {operation_id} {decided['status']} by {decided['decision']['actor']}")
+
+        return drive(api, token, ports, procs, approve)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -158,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
 
 
-def drive(api: str, token: str, ports: dict[str, int], procs: list[subprocess.Popen[bytes]]) -> int:
+def drive(
+    api: str,
+    token: str,
+    ports: dict[str, int],
+    procs: list[subprocess.Popen[bytes]],
+    approve: Callable[[str], None],
+) -> int:
     calls: list[tuple[str, str, dict[str, Any]]] = []
     for n in range(REFUNDS):
         arguments = {
@@ -171,6 +189,8 @@ def drive(api: str, token: str, ports: dict[str, int], procs: list[subprocess.Po
     for n in range(MESSAGES):
         arguments = {"customer_id": f"cus_{n}", "message": "Your refund is on its way."}
         calls.append(("notify_customer", f"notify-{n}", arguments))
+    large = {"order_id": "ord_2000", "amount_cents": 75_000, "currency": "EUR", "reason": "lost"}
+    calls.append(("issue_refund", LARGE_REFUND, large))
 
     created = 0
     headers = {"Authorization": f"Bearer {token}"}
@@ -182,11 +202,19 @@ def drive(api: str, token: str, ports: dict[str, int], procs: list[subprocess.Po
             again = client.post(
                 f"/v1/tools/{name}", json=arguments, headers={"Idempotency-Key": key}
             )
-            if first.status_code != 201 or again.status_code != 201:
+            expected = 202 if key == LARGE_REFUND else 201
+            if first.status_code != expected or again.status_code != expected:
                 raise SystemExit(f"example: {name} {key}: {first.status_code} {first.text}")
             if again.content != first.content or again.headers["idempotent-replayed"] != "true":
                 raise SystemExit(f"example: {name} {key}: the retry did not replay the receipt")
             created += first.headers["idempotent-replayed"] == "false"
+
+        # The large refund waits for an operator: held, so nothing was sent. Approved
+        # with the stock CLI, it is released to the dispatcher like any other.
+        held = client.get(f"/v1/operations/{LARGE_REFUND}").json()
+        if [e["status"] for e in held["effects"]] != ["held"]:
+            raise SystemExit(f"example: {LARGE_REFUND} is not held: {held}")
+        approve(LARGE_REFUND)
 
         def effects() -> list[dict[str, Any]]:
             out: list[dict[str, Any]] = []

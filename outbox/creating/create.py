@@ -498,7 +498,8 @@ def _record_and_effects(
     created, expires = when(now), when(now + request.retention)
     receipt = output.receipt
     status_code = CREATED_STATUS
-    if request.spec.requires_approval:
+    held = request.spec.needs_approval(request.args)
+    if held:
         # The receipt says what happened to the request: it waits for an operator.
         receipt = {**receipt, "status": states.ApprovalStatus.AWAITING_APPROVAL.value}
         status_code = ACCEPTED_STATUS
@@ -515,7 +516,6 @@ def _record_and_effects(
         "created_at": created,
         "expires_at": expires,
     }
-    held = request.spec.requires_approval
     if held:
         record["approval"] = states.ApprovalStatus.AWAITING_APPROVAL.value
     default_deadline = when(now + request.effect_deadline)

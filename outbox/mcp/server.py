@@ -345,8 +345,13 @@ def _write_description(tool: tools.Tool) -> str:
     )
     if tool.requires_approval:
         text += (
-            " Requires an operator's approval: the call returns status awaiting_approval and "
-            "nothing is sent until an operator approves; follow it with get_operation."
+            " Some calls require an operator's approval: such a call returns status"
+            if callable(tool.requires_approval)
+            else " Requires an operator's approval: the call returns status"
+        )
+        text += (
+            " awaiting_approval and nothing is sent until an operator approves;"
+            " follow it with get_operation."
         )
     return text
 

@@ -1,6 +1,10 @@
 """Two tools: ``issue_refund`` (a row in refunds, a refund at the payment provider) and
 ``notify_customer`` (a message through the chat provider).
 
+A refund cannot be undone (``destructive``), and one over 500.00 waits for an
+operator's approval before anything reaches the payment provider
+(``outbox approvals approve OPERATION_ID --tenant T``, or the console).
+
 Handlers follow the contract (docs/apps.md): they write only through ``ctx``,
 never call a provider themselves (the effects do, later, with their own
 idempotency keys), and may run twice for one create (only the run that
@@ -19,6 +23,7 @@ from refunds_app import tables
 
 PAYMENTS = "payments"
 CHAT = "chat"
+APPROVAL_ABOVE_CENTS = 50_000
 
 
 class IssueRefundArgs(BaseModel):
@@ -44,6 +49,11 @@ class IssueRefundArgs(BaseModel):
     amount_cents: int = Field(gt=0, le=10_000_000)
     currency: Literal["EUR", "USD", "GBP"]
     reason: str = Field(min_length=1, max_length=500)
+
+
+def large_refund(args: IssueRefundArgs) -> bool:
+    """A refund an operator approves first (``Tool.requires_approval``)."""
+    return args.amount_cents > APPROVAL_ABOVE_CENTS
 
 
 def issue_refund(ctx: ToolContext, args: IssueRefundArgs) -> ToolOutput:
@@ -106,8 +116,11 @@ ISSUE_REFUND = Tool(
     payload_version=1,
     arguments=IssueRefundArgs,
     handler=issue_refund,
-    description="Record a refund and issue it at the payment provider.",
+    description="Record a refund and issue it at the payment provider. "
+    f"A refund over {APPROVAL_ABOVE_CENTS // 100} waits for an operator's approval.",
     adapters=(PAYMENTS,),
+    destructive=True,
+    requires_approval=large_refund,
 )
 
 NOTIFY_CUSTOMER = Tool(

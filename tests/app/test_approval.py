@@ -1,0 +1,45 @@
+"""The example's one approval rule: a refund over 500.00 waits for an operator.
+
+``Tool.requires_approval`` may be a function of the validated arguments. The
+call it holds answers 202 awaiting_approval with its effect held; a retry of
+the same call is held the same way (a replay); a refund under the limit goes
+straight to the dispatcher. And a refund declares itself destructive.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from outbox import Outbox, db, schema, states
+from outbox.app import App
+
+SMALL = {"order_id": "ord_1", "amount_cents": 1999, "currency": "EUR", "reason": "damaged"}
+LARGE = {**SMALL, "order_id": "ord_2", "amount_cents": 75_000}
+
+
+def _effect(box: Outbox, operation_id: str) -> sa.Row:
+    with db.read(box.engine) as conn:
+        query = sa.select(schema.outbox).where(schema.outbox.c.operation_id == operation_id)
+        return conn.execute(query).one()
+
+
+def test_a_refund_over_the_limit_is_held_and_one_under_it_is_not(
+    app_db_url: str, refunds_app: App, clock
+) -> None:
+    tool = refunds_app.tools.get("issue_refund")
+    assert tool.destructive
+    with Outbox(app_db_url, app=refunds_app, clock=clock) as box:
+        box.create_tenant("shop")
+        small = box.execute("shop", "small", "issue_refund", SMALL)
+        large = box.execute("shop", "large", "issue_refund", LARGE)
+        again = box.execute("shop", "large", "issue_refund", LARGE)
+        assert (small.status_code, large.status_code) == (201, 202)
+        assert (again.replayed, again.status_code, again.receipt_json) == (
+            True,
+            202,
+            large.receipt_json,
+        )
+        assert _effect(box, "small").status == states.EffectStatus.PENDING
+        assert _effect(box, "large").status == states.EffectStatus.HELD
+        box.decide_approval("shop", "large", "approve", actor="alice")
+        assert _effect(box, "large").status == states.EffectStatus.PENDING
