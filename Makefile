@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -28,6 +28,7 @@ help:
 	@echo "make chaos-failover  kill -9 a PostgreSQL primary under load, promote its replica"
 	@echo "make chaos-pooler    the chaos run through PgBouncer in transaction pooling mode"
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
+	@echo "make bench-drain / bench-flood / bench-slow  lost replies drained, a flooding tenant, a slow provider"
 
 $(VENV)/bin/python:
 	@echo "==> creating the virtual environment $(VENV) ($$(python3 -V))"
@@ -129,6 +130,11 @@ bench-quick: $(STAMP)
 bench-drain: $(STAMP)
 	$(PY) -m bench.drain $(DRAIN_ARGS)
 	$(PY) -m pytest -q -p no:cacheprovider bench/drain
+
+# A provider that takes seconds per request beside a fast one: the fast one's latency with
+# the slow-send handling on and off, against the fast one alone (about a minute).
+bench-slow: $(STAMP)
+	$(PY) -m bench.slow $(SLOW_ARGS)
 
 # One tenant floods, another's p99 is measured unloaded and under the flood (at most 3x).
 # A latency ratio on a shared 2-core box: a measurement, so it lives here, not in make test.

@@ -115,6 +115,11 @@ class Settings(BaseSettings):
     breaker_cooldown: Duration = timedelta(seconds=5)
     breaker_cooldown_max: Duration = timedelta(minutes=2)
     shutdown_grace: Duration = timedelta(seconds=10)
+    # A send out longer than this is slow. max(1, concurrency // 4) runners are kept in
+    # reserve for adapters with no slow send, and the loop stops waiting for slow sends
+    # before it claims again, so one slow provider does not hold up the others'
+    # deliveries (docs/dispatcher.md, "A slow provider"). 0 turns this off.
+    slow_send_after: Duration = timedelta(seconds=2)
 
     # Reconciler.
     sweep_interval: Duration = timedelta(seconds=5)

@@ -11,7 +11,10 @@ One pass (``run_once``):
    are left out, and so are retries of adapters whose retry budget is spent.
 2. **Send** up to ``concurrency`` at once on a thread pool. Each request carries
    the row's stored ``effect_key`` and nothing else. An adapter that raises
-   fails that row only.
+   fails that row only. A few more runners are kept in reserve for adapters
+   with no slow send (out longer than ``slow_send_after``), and ``run()``
+   stops waiting for slow sends (a collector thread records them) before it
+   claims again: one slow provider does not hold up the others.
 3. **Record** results in batches (``store.finish_attempts``), one transaction
    per batch of finished deliveries; each row's state is written only while its
    fence holds. ``policy.after_attempt`` decides the next state; ``retry`` says
@@ -139,6 +142,26 @@ class _Task:
     handed: bool = False  # the request was given to adapter.deliver: it may have been sent
     withdrawn: bool = False
     done: float | None = None  # monotonic, when the adapter returned
+    # Where a runner puts this task's outcome: its pass's queue.
+    results: queue.SimpleQueue[tuple[_Task, object]] | None = None
+    picked: float = 0.0  # monotonic, when a runner took it
+    finished: bool = False  # its result is in (recorded or about to be)
+
+
+@dataclass(eq=False)
+class _Pass:
+    """One claim's tasks while their results come in (on the pass's thread, or a collector's
+    after the pass stopped waiting for slow sends)."""
+
+    tasks: list[_Task]
+    results: queue.SimpleQueue[tuple[_Task, object]]
+    claimed_at: datetime
+    fixed_now: datetime | None
+    waiting: set[_Task]
+    progress: float  # monotonic: the pass's start, then each result's arrival
+    buffer: list[store.Finish] = field(default_factory=list)
+    withdrawn: list[_Task] = field(default_factory=list)
+    oldest: float | None = None  # monotonic: when the oldest unrecorded result came in
 
 
 class Dispatcher:
@@ -168,9 +191,24 @@ class Dispatcher:
         self._budgets: dict[str, retry.RetryBudget] = {}
         self._breakers: dict[str, retry.CircuitBreaker] = {}
         self._budget_empty: set[str] = set()  # for logging the transitions only
+        # Claimed tasks not yet taken by a runner, every pass's, oldest first; and the
+        # sends in progress by adapter. Up to ``concurrency`` sends go out at once, and
+        # ``_reserve`` more for adapters with no send out longer than ``slow_send_after``:
+        # a slow provider holds at most ``concurrency`` runners, and the others still
+        # get the reserve.
+        self._slow_after = self.settings.slow_send_after.total_seconds()
+        concurrency = self.settings.concurrency
+        self._reserve = max(1, concurrency // 4) if self._slow_after > 0 else 0
         self._pool = cf.ThreadPoolExecutor(
-            max_workers=self.settings.concurrency, thread_name_prefix="outbox-deliver"
+            max_workers=concurrency + self._reserve, thread_name_prefix="outbox-deliver"
         )
+        self._queue: collections.deque[_Task] = collections.deque()
+        self._sending: dict[str, set[_Task]] = collections.defaultdict(set)
+        self._out = 0  # sends in progress, all adapters
+        self._queue_lock = threading.Lock()
+        # Passes whose slow sends are left to a collector thread (``run()`` only).
+        self._detached: list[_Pass] = []
+        self._collectors: list[threading.Thread] = []
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._wake = wakeup.Waker()
@@ -245,6 +283,9 @@ class Dispatcher:
     def _claim_params(self, now: datetime | None) -> store.ClaimParams:
         at = now or schema.utcnow()
         paused = frozenset(name for name, b in self._breakers.items() if b.paused(at))
+        # An adapter with a slow runner's share of sends still out from passes that
+        # stopped waiting for them: claiming more of its rows would only queue them.
+        paused |= self._saturated()
         spent = set()
         for name, budget in self._budgets.items():
             if budget.available(at) > 0:
@@ -269,8 +310,28 @@ class Dispatcher:
 
     # --- one pass ----------------------------------------------------------------
 
+    def _saturated(self) -> frozenset[str]:
+        """Adapters with at least ``concurrency`` tasks unfinished in detached passes."""
+        with self._in_flight_lock:
+            if not self._detached:
+                return frozenset()
+            counts = collections.Counter(
+                task.effect.adapter
+                for one in self._detached
+                for task in one.tasks
+                if not task.finished
+            )
+        limit = self.settings.concurrency
+        return frozenset(name for name, count in counts.items() if count >= limit)
+
     def run_once(self, now: datetime | None = None) -> int:
         """Claim one batch, deliver it, record the results. Returns the rows handled."""
+        return self._run_pass(now, detach=False)
+
+    def _run_pass(self, now: datetime | None, *, detach: bool) -> int:
+        """One pass. ``detach`` (the ``run()`` loop): once only slow sends are left, stop
+        waiting for them (a collector thread records them) so the next claim can serve
+        the other adapters."""
         if self._stop.is_set():
             return 0
         # Read before the claim, so the lease surely lasts until this + lease.
@@ -292,14 +353,19 @@ class Dispatcher:
         with self._in_flight_lock:
             self._in_flight += len(tasks)
             self._holding.append(tasks)
+        handed_off = False
         try:
             faults.point("dispatch.after_attempt_commit")
-            self._deliver_and_record(tasks, claim.now, fixed_now=now)
+            handed_off = self._deliver_and_record(tasks, claim.now, fixed_now=now, detach=detach)
         finally:
-            with self._in_flight_lock:
-                self._in_flight -= len(tasks)
-                self._holding.remove(tasks)
+            if not handed_off:
+                self._done_with(tasks)
         return len(tasks) + claim.expired
+
+    def _done_with(self, tasks: list[_Task]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= len(tasks)
+            self._holding.remove(tasks)
 
     def _task(self, effect: store.Claimed, started: float, held_until: float) -> _Task:
         try:
@@ -309,66 +375,181 @@ class Dispatcher:
         return _Task(effect, adapter, started, held_until)
 
     def _deliver_and_record(
-        self, tasks: list[_Task], claimed_at: datetime, fixed_now: datetime | None
-    ) -> None:
-        def at(task: _Task) -> datetime:
-            if fixed_now is not None:
-                return fixed_now
-            return claimed_at + timedelta(seconds=(task.done or time.monotonic()) - task.started)
-
+        self,
+        tasks: list[_Task],
+        claimed_at: datetime,
+        fixed_now: datetime | None,
+        *,
+        detach: bool = False,
+    ) -> bool:
+        """Send and record ``tasks``. True when the pass stopped waiting for its slow sends
+        and a collector thread records them (``detach``); False when all is recorded."""
         # At most ``concurrency`` runners take tasks from one queue and hand
-        # results back on another: one pool submission per runner rather than
-        # one future per effect (profiled: the per-effect futures and waits cost
-        # more than a no-op delivery). A slow delivery holds only its runner.
-        queued = collections.deque(tasks)
+        # results back on the pass's queue: one pool submission per runner rather
+        # than one future per effect (profiled: the per-effect futures and waits
+        # cost more than a no-op delivery). A slow delivery holds only its runner.
         results: queue.SimpleQueue[tuple[_Task, object]] = queue.SimpleQueue()
+        for task in tasks:
+            task.results = results
+        with self._queue_lock:
+            self._queue.extend(tasks)
+        for _ in range(min(self.settings.concurrency + self._reserve, len(tasks))):
+            self._pool.submit(self._runner)
+        one = _Pass(tasks, results, claimed_at, fixed_now, set(tasks), time.monotonic())
+        if self._collect(one, detach=detach):
+            return False
+        # Only slow sends are left: a collector records them; the loop claims again,
+        # leaving out the adapters whose share of the runners they fill.
+        with self._in_flight_lock:
+            self._detached.append(one)
+        logger.info(
+            "slow sends left to finish in the background",
+            extra={
+                "count": len(one.waiting),
+                "adapters": sorted({t.effect.adapter for t in one.waiting}),
+                "worker": self.worker_id,
+            },
+        )
+        collector = threading.Thread(
+            target=self._collect_detached, args=(one,), name="outbox-collect", daemon=True
+        )
+        self._collectors = [c for c in self._collectors if c.is_alive()]
+        self._collectors.append(collector)
+        collector.start()
+        return True
 
-        def runner() -> None:
-            while True:
-                try:
-                    task = queued.popleft()
-                except IndexError:
+    def _runner(self) -> None:
+        """A pool thread: take runnable tasks from the shared queue until none is left."""
+        while True:
+            with self._queue_lock:
+                task = self._next_runnable()
+                if task is None:
                     return
-                try:
-                    outcome: object = self._deliver(task)
-                except BaseException as exc:  # noqa: BLE001 - a crash window: re-raised below
-                    outcome = _Raised(exc)
-                results.put((task, outcome))
+                task.picked = time.monotonic()
+                self._sending[task.effect.adapter].add(task)
+                self._out += 1
+            try:
+                outcome: object = self._deliver(task)
+            except BaseException as exc:  # noqa: BLE001 - a crash window: re-raised by the pass
+                outcome = _Raised(exc)
+            finally:
+                with self._queue_lock:
+                    self._sending[task.effect.adapter].discard(task)
+                    self._out -= 1
+            assert task.results is not None
+            task.results.put((task, outcome))
 
-        for _ in range(min(self.settings.concurrency, len(tasks))):
-            self._pool.submit(runner)
-        waiting = set(tasks)
-        buffer: list[store.Finish] = []
-        withdrawn: list[_Task] = []
-        oldest: float | None = None
-        while waiting:
-            done = _take(results, self._wait_timeout(oldest))
+    def _next_runnable(self) -> _Task | None:
+        """The next task to send (under ``_queue_lock``): the oldest queued while fewer than
+        ``concurrency`` sends are out; past that, within the reserve, the oldest whose
+        adapter has no slow send and fewer than ``_reserve`` sends out.
+
+        A task skipped here is taken later by a runner that finishes a send: a send out
+        means a runner that will look again.
+        """
+        if not self._queue:
+            return None
+        if self._out < self.settings.concurrency:
+            return self._queue.popleft()
+        if self._out >= self.settings.concurrency + self._reserve:
+            return None
+        # The reserve: for an adapter with no slow send and fewer sends out than the
+        # reserve itself (so the adapter that fills ``concurrency`` cannot take it too).
+        slow = self._slow_adapters(time.monotonic())
+        for index, task in enumerate(self._queue):
+            adapter = task.effect.adapter
+            if adapter not in slow and len(self._sending[adapter]) < self._reserve:
+                del self._queue[index]
+                return task
+        return None
+
+    def _slow_adapters(self, now: float) -> set[str]:
+        """Adapters with a send out longer than ``slow_send_after`` (under ``_queue_lock``)."""
+        return {
+            adapter
+            for adapter, sending in self._sending.items()
+            if any(now - t.picked >= self._slow_after for t in sending)
+        }
+
+    def _only_slow_left(self, one: _Pass) -> bool:
+        """Has the pass waited ``slow_send_after`` for its last results, and is each send
+        it waits for out that long or queued behind its adapter's slow sends?"""
+        if self._slow_after <= 0:
+            return False
+        now = time.monotonic()
+        if now - one.progress < self._slow_after:
+            return False
+        with self._queue_lock:
+            slow = self._slow_adapters(now)
+        return all(task.effect.adapter in slow for task in one.waiting)
+
+    def _collect(self, one: _Pass, *, detach: bool) -> bool:
+        """Wait for the pass's results and record them in batches. True when done; False
+        when ``detach`` and only slow sends are left (the pass's state is kept in ``one``)."""
+
+        def at(task: _Task) -> datetime:
+            if one.fixed_now is not None:
+                return one.fixed_now
+            return one.claimed_at + timedelta(
+                seconds=(task.done or time.monotonic()) - task.started
+            )
+
+        while one.waiting:
+            done = _take(one.results, self._wait_timeout(one.oldest))
+            if done:
+                one.progress = time.monotonic()
             for task, outcome in done:
-                waiting.discard(task)
+                one.waiting.discard(task)
+                task.finished = True
                 if isinstance(outcome, _Raised):
-                    queued.clear()  # nothing more leaves this pass
+                    with self._queue_lock:  # nothing more of this pass leaves
+                        self._queue = collections.deque(
+                            t for t in self._queue if t.results is not one.results
+                        )
                     raise outcome.error
                 if outcome is _WITHDRAWN:
-                    withdrawn.append(task)
+                    one.withdrawn.append(task)
                     continue
                 assert isinstance(outcome, _Result)
-                buffer.append(self._finish(task, outcome, at(task)))
-                oldest = oldest if oldest is not None else time.monotonic()
-            if buffer and (
-                not waiting
-                or len(buffer) >= self.flush_size
-                or (oldest is not None and time.monotonic() - oldest >= self.flush_after)
+                one.buffer.append(self._finish(task, outcome, at(task)))
+                one.oldest = one.oldest if one.oldest is not None else time.monotonic()
+            if one.buffer and (
+                not one.waiting
+                or len(one.buffer) >= self.flush_size
+                or (one.oldest is not None and time.monotonic() - one.oldest >= self.flush_after)
             ):
-                self._record(buffer)
-                buffer, oldest = [], None
-            if waiting and self._grace_over():
-                self._record(buffer)
-                buffer = []
-                left = [task for task in tasks if task in waiting]
-                self._release(left, withdrawn, fixed_now, claimed_at)
-                return
-        if withdrawn:
-            self._release([], withdrawn, fixed_now, claimed_at)
+                self._record(one.buffer)
+                one.buffer, one.oldest = [], None
+            if one.waiting and self._grace_over():
+                self._record(one.buffer)
+                one.buffer = []
+                left = [task for task in one.tasks if task in one.waiting]
+                for task in left:
+                    task.finished = True
+                self._release(left, one.withdrawn, one.fixed_now, one.claimed_at)
+                return True
+            if detach and one.waiting and not one.buffer and self._only_slow_left(one):
+                return False
+        if one.withdrawn:
+            self._release([], one.withdrawn, one.fixed_now, one.claimed_at)
+        return True
+
+    def _collect_detached(self, one: _Pass) -> None:
+        """A collector thread: the rest of a detached pass, then wake the loop (its
+        adapters may be claimed again)."""
+        try:
+            self._collect(one, detach=False)
+        except Exception:  # the leases protect the rows, as after a failed pass
+            logger.exception("recording slow sends failed", extra={"worker": self.worker_id})
+        except BaseException:  # a crash window (tests): the rows' leases cover it
+            logger.exception("slow sends abandoned", extra={"worker": self.worker_id})
+        finally:
+            for task in one.tasks:
+                task.finished = True
+            with self._in_flight_lock:
+                self._detached.remove(one)
+            self._done_with(one.tasks)
+            self._wake.set()
 
     def _wait_timeout(self, oldest: float | None) -> float:
         timeout = 0.05
@@ -721,7 +902,7 @@ class Dispatcher:
                 if listener is not None:
                     listener.drain()  # this pass covers the rows they announced
                 try:
-                    count = self.run_once()
+                    count = self._run_pass(None, detach=not once)
                     failures = 0
                 except Exception:
                     # The database blinked (or a bug hit one pass): keep the
@@ -750,8 +931,14 @@ class Dispatcher:
                         timeout = min(timeout, retry_in)
                 self._wake.wait(timeout, also)
         finally:
-            scheduler.shutdown(wait=False)
+            if self._stop_requested_at is None:
+                self._stop_requested_at = time.monotonic()  # the grace counts from here
             self._stop.set()
+            # Slow sends still out finish (or are released) within the shutdown grace;
+            # their leases are renewed until then.
+            for collector in list(self._collectors):
+                collector.join()
+            scheduler.shutdown(wait=False)
             if listener is not None:
                 listener.close()
             self._wake.close()

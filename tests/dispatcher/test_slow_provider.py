@@ -1,0 +1,142 @@
+"""A slow provider does not hold up another adapter's deliveries (``run()``).
+
+The slow adapter's sends block until the test lets them go, so what is shown
+does not depend on the machine's speed: while as many sends as the dispatcher's
+concurrency are blocked at the slow adapter, deliveries to the other adapter go
+on (through the reserve runners) to the end, and the slow one never has more
+sends out than that. Then the slow sends finish and are recorded by the
+collector, under their fences, exactly once each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import adapters
+from adapters import DeliveryRequest, DeliveryResult
+from adapters.testing import FakeAdapter
+from outbox import schema
+from outbox.delivery.dispatcher import Dispatcher
+from outbox.states import EffectStatus
+from tests.dispatcher.support import attempts, row, seed
+from tests.support.patience import PATIENCE_S
+
+S = EffectStatus
+HONOURS = adapters.Capabilities(True, True, 2.0)
+CONCURRENCY = 4
+SHARE = CONCURRENCY  # a slow adapter's sends take at most the dispatcher's concurrency
+
+
+class Blocking:
+    """An adapter whose sends wait until ``release``; counts the sends out at once."""
+
+    name = "slow"
+    capabilities = HONOURS
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.out = 0
+        self.most_out = 0
+        self.calls = 0
+        self._lock = threading.Condition()
+
+    def deliver(self, request: DeliveryRequest) -> DeliveryResult:
+        with self._lock:
+            self.out += 1
+            self.calls += 1
+            self.most_out = max(self.most_out, self.out)
+            self._lock.notify_all()
+        self.release.wait(PATIENCE_S)
+        with self._lock:
+            self.out -= 1
+        return DeliveryResult.delivered(f"slow-{request.effect_key}", status_code=201)
+
+    def wait_out(self, count: int) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: self.out >= count, PATIENCE_S)
+
+    def lookup(self, effect_key: str, client_reference: str | None = None) -> adapters.Lookup:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _eventually(check: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + PATIENCE_S
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_slow_provider_leaves_the_other_adapters_deliveries_alone(
+    engine, make_dispatcher
+) -> None:
+    slow, fast = Blocking(), FakeAdapter(name="fast", capabilities=HONOURS)
+    slow_ids = seed(engine, 10, now=schema.utcnow(), adapter="slow", prefix="slow")
+    dispatcher: Dispatcher = make_dispatcher(
+        slow,
+        fast,
+        concurrency=CONCURRENCY,
+        slow_send_after=0.05,
+        poll_interval=0.05,
+        shutdown_grace=PATIENCE_S,
+    )
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert slow.wait_out(SHARE), "the slow adapter's sends did not start"
+        # Every runner the slow adapter may hold is blocked. New work for another
+        # adapter arrives, and is delivered while the slow sends are still out.
+        fast_ids = seed(engine, 20, now=schema.utcnow(), adapter="fast", prefix="fast")
+        dispatcher.wake()
+        assert _eventually(lambda: all(row(engine, i).status == S.SUCCEEDED for i in fast_ids))
+        assert slow.out == SHARE and slow.most_out == SHARE
+        assert all(row(engine, i).status == S.IN_FLIGHT for i in slow_ids[:SHARE])
+        assert {row(engine, i).status for i in slow_ids[SHARE:]} <= {S.PENDING, S.IN_FLIGHT}
+        # The provider answers again: every slow effect is delivered, once.
+        slow.release.set()
+        assert _eventually(lambda: all(row(engine, i).status == S.SUCCEEDED for i in slow_ids))
+    finally:
+        slow.release.set()
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+    assert not thread.is_alive()
+    assert slow.calls == 10 and slow.most_out <= SHARE
+    for effect_id in slow_ids:
+        (attempt,) = attempts(engine, effect_id)
+        assert (attempt.outcome.value, attempt.late) == ("delivered", False)
+    assert len(fast.calls) == 20
+
+
+def test_stopping_while_slow_sends_are_out_releases_them_after_the_grace(
+    engine, make_dispatcher
+) -> None:
+    slow = Blocking()
+    slow_ids = seed(engine, 6, now=schema.utcnow(), adapter="slow", prefix="slow")
+    dispatcher: Dispatcher = make_dispatcher(
+        slow, concurrency=CONCURRENCY, slow_send_after=0.05, shutdown_grace=0.2
+    )
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert slow.wait_out(SHARE)
+        # Left to a collector once nothing else moved for slow_send_after.
+        assert _eventually(lambda: bool(dispatcher._detached))
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+        assert not thread.is_alive()
+    finally:
+        slow.release.set()
+        thread.join(PATIENCE_S)
+    # The sends that went out may have happened: kept as such, with their key; the
+    # ones never handed to the adapter go back as they were.
+    statuses = [row(engine, i).status for i in slow_ids]
+    assert statuses.count(S.PENDING) == 6
+    assert dispatcher.abandoned_sends == SHARE
+    assert all(row(engine, i).maybe_sent for i in slow_ids[:SHARE])
+    assert not any(row(engine, i).maybe_sent for i in slow_ids[SHARE:])
