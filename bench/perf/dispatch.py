@@ -166,6 +166,8 @@ def run(ctx: Any) -> None:
                 variants.append(("floor", 1))
             if backend == "postgres" and not ctx.quick:
                 variants += [("outbox", 2), ("raw", 2), ("floor", 2)]
+                # Scaling: throughput must not fall as dispatcher processes are added.
+                variants += [("outbox", 4), ("outbox", 8)]
                 variants += [(name, 1) for name in peers.DRAINERS if peers.available(name)]
             for system, processes in harness.rotated(variants, rep):
                 _measure(ctx, rep, backend, system, processes, seconds)
