@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow profile clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -130,6 +130,13 @@ bench-quick: $(STAMP)
 bench-drain: $(STAMP)
 	$(PY) -m bench.drain $(DRAIN_ARGS)
 	$(PY) -m pytest -q -p no:cacheprovider bench/drain
+
+# Where the hot loops spend their time: py-spy flame graphs of the dispatch and create
+# loops on PostgreSQL (docs/performance.md, "Profiles"). About a minute.
+profile: $(STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(VENV)/bin/py-spy record --idle --rate 250 --format flamegraph -o docs/images/profile-dispatch.svg -- $(PY) -m bench.profile dispatch
+	$(VENV)/bin/py-spy record --idle --rate 250 --format flamegraph -o docs/images/profile-create.svg -- $(PY) -m bench.profile create
 
 # A provider that takes seconds per request beside a fast one: the fast one's latency with
 # the slow-send handling on and off, against the fast one alone (about a minute).
