@@ -158,7 +158,7 @@ def main() -> int:
     reps = max(1, args.reps)
     started = time.monotonic()
     scratch = harness.Scratch(pg_admin_url=args.pg_url)
-    clients = harness.Clients(size=4)
+    clients = harness.Clients(size=8)  # dispatch scales to 8 processes
     ctx = Context(
         scratch=scratch,
         clients=clients,
