@@ -119,6 +119,18 @@ def _wait_for_count(delivered: list[str], count: int) -> None:
         time.sleep(0.05)
 
 
+class _Remembered(threading.Event):
+    """The dispatcher's "listening" flag, remembering that it was ever cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = threading.Event()
+
+    def clear(self) -> None:
+        self.dropped.set()
+        super().clear()
+
+
 def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispatcher) -> None:
     """The LISTEN connection dies with the others: the loop notices (no busy
     loop on the dead socket), connects again, and a NOTIFY wakes it with the
@@ -126,25 +138,28 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
     delivered, step = _delivering()
     passes: list[int] = []
     dispatcher = make_dispatcher(fake(*[step] * 4), poll_interval=PATIENCE_S * 10)
-    real_run_once = dispatcher.run_once
+    # The loop connects again 0.1 s after it drops the connection: faster than a busy
+    # machine may let this thread look at the flag, so the drop is kept as an event.
+    listening = _Remembered()
+    dispatcher._listening = listening
+    real_pass = dispatcher._run_pass
 
-    def counting(now=None):  # type: ignore[no-untyped-def]
+    def counting(now, *, detach):  # type: ignore[no-untyped-def]
         passes.append(1)
-        return real_run_once(now)
+        return real_pass(now, detach=detach)
 
-    dispatcher.run_once = counting  # type: ignore[method-assign]
+    dispatcher._run_pass = counting  # type: ignore[method-assign]
     with _looping(engine, dispatcher) as (other, _thread):
-        assert dispatcher._listening.wait(PATIENCE_S)
+        assert listening.wait(PATIENCE_S)
+        listening.dropped.clear()
         assert terminate_backends(engine) >= 1
-        deadline = time.monotonic() + PATIENCE_S
-        while dispatcher._listening.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)  # the loop finds the socket closed and drops it
-        assert not dispatcher._listening.is_set(), "the lost LISTEN connection went unnoticed"
+        # The loop finds the socket closed and drops it.
+        assert listening.dropped.wait(PATIENCE_S), "the lost LISTEN connection went unnoticed"
         # The loop connects again by itself: its next attempt, not the poll, ends its wait.
         assert dispatcher._listening.wait(PATIENCE_S), "the LISTEN connection did not come back"
         time.sleep(0.3)
         before = len(passes)
         ids = seed(other, 2, now=schema.utcnow())
         _wait_for_count(delivered, 2)
-        assert len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
+        assert 1 <= len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
     _all_delivered(engine, ids)
