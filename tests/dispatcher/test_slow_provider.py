@@ -96,8 +96,8 @@ def test_a_slow_provider_leaves_the_other_adapters_deliveries_alone(
         dispatcher.wake()
         assert _eventually(lambda: all(row(engine, i).status == S.SUCCEEDED for i in fast_ids))
         assert slow.out == SHARE and slow.most_out == SHARE
-        assert all(row(engine, i).status == S.IN_FLIGHT for i in slow_ids[:SHARE])
-        assert {row(engine, i).status for i in slow_ids[SHARE:]} <= {S.PENDING, S.IN_FLIGHT}
+        # All ten were claimed by the first pass: four out, six waiting their turn.
+        assert [row(engine, i).status for i in slow_ids] == [S.IN_FLIGHT] * 10
         # The provider answers again: every slow effect is delivered, once.
         slow.release.set()
         assert _eventually(lambda: all(row(engine, i).status == S.SUCCEEDED for i in slow_ids))
@@ -138,5 +138,4 @@ def test_stopping_while_slow_sends_are_out_releases_them_after_the_grace(
     statuses = [row(engine, i).status for i in slow_ids]
     assert statuses.count(S.PENDING) == 6
     assert dispatcher.abandoned_sends == SHARE
-    assert all(row(engine, i).maybe_sent for i in slow_ids[:SHARE])
-    assert not any(row(engine, i).maybe_sent for i in slow_ids[SHARE:])
+    assert sum(row(engine, i).maybe_sent for i in slow_ids) == SHARE
