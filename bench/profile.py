@@ -45,33 +45,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(url: str, seconds: float) -> int:
-    d = dispatch.dispatcher(url)
-    done = 0
-    end = time.monotonic() + seconds
-    try:
-        while time.monotonic() < end:
-            handled = d.run_once()
-            if not handled:
-                break
-            done += handled
-    finally:
-        d.close()
-        d.engine.dispose()
-    return done
+    now = time.monotonic()
+    report = dispatch.outbox_drain(client=0, start_at=now, end_at=now + seconds, url=url)
+    return int(report["ops"])
 
 
 def _create(url: str, seconds: float) -> int:
-    from outbox import Outbox
-
-    done = 0
-    end = time.monotonic() + seconds
-    with Outbox(url) as box:
-        while time.monotonic() < end:
-            box.execute(
-                harness.TENANT, f"profile-{done}", create_path.TOOL, create_path.arguments(0, done)
-            )
-            done += 1
-    return done
+    now = time.monotonic()
+    report = create_path.outbox_client(
+        client=0, start_at=now, end_at=now + seconds, url=url, prefix="profile"
+    )
+    return int(report["ops"])
 
 
 if __name__ == "__main__":

@@ -344,14 +344,11 @@ def _write_description(tool: tools.Tool) -> str:
         " Idempotent on operation_id: allocate one per intended action and reuse it on every retry."
     )
     if tool.requires_approval:
+        some = callable(tool.requires_approval)
+        which, call = ("Some calls require", "such a call") if some else ("Requires", "the call")
         text += (
-            " Some calls require an operator's approval: such a call returns status"
-            if callable(tool.requires_approval)
-            else " Requires an operator's approval: the call returns status"
-        )
-        text += (
-            " awaiting_approval and nothing is sent until an operator approves;"
-            " follow it with get_operation."
+            f" {which} an operator's approval: {call} returns status awaiting_approval"
+            " and nothing is sent until an operator approves; follow it with get_operation."
         )
     return text
 
