@@ -8,6 +8,7 @@ straight to the dispatcher. And a refund declares itself destructive.
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, db, schema, states
@@ -43,3 +44,32 @@ def test_a_refund_over_the_limit_is_held_and_one_under_it_is_not(
         assert _effect(box, "large").status == states.EffectStatus.HELD
         box.decide_approval("shop", "large", "approve", actor="alice")
         assert _effect(box, "large").status == states.EffectStatus.PENDING
+
+
+def test_a_rule_that_raises_writes_nothing(app_db_url: str, refunds_app: App, clock) -> None:
+    """The rule is the app's code, run in the create: if it fails, the create fails whole."""
+    import dataclasses
+
+    def broken(args: object) -> bool:
+        raise RuntimeError("the limits service is down")
+
+    tool = dataclasses.replace(refunds_app.tools.get("issue_refund"), requires_approval=broken)
+    app = App(
+        "refunds",
+        tools=[tool],
+        adapters_file=refunds_app.adapters_file,
+        metadata=refunds_app.metadata,
+        migrations=refunds_app.migrations,
+    )
+    with Outbox(app_db_url, app=app, clock=clock) as box:
+        box.create_tenant("shop")
+        with pytest.raises(RuntimeError, match="limits service"):
+            box.execute("shop", "op", "issue_refund", LARGE)
+        from refunds_app import tables
+
+        with db.read(box.engine) as conn:
+            counts = [
+                conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+                for t in (tables.refunds, schema.operations, schema.outbox)
+            ]
+        assert counts == [0, 0, 0]
