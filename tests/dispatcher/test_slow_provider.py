@@ -139,3 +139,46 @@ def test_stopping_while_slow_sends_are_out_releases_them_after_the_grace(
     assert statuses.count(S.PENDING) == 6
     assert dispatcher.abandoned_sends == SHARE
     assert sum(row(engine, i).maybe_sent for i in slow_ids) == SHARE
+
+
+def test_a_collector_that_cannot_record_leaves_the_rows_to_their_leases(
+    engine, make_dispatcher, monkeypatch
+) -> None:
+    """The database fails while a collector records slow results: as after a failed pass,
+    the rows stay in flight under their leases (the reconciler's to expire), nothing is
+    written half, and the loop goes on serving the other adapters."""
+    from outbox.delivery import store
+
+    slow, fast = Blocking(), FakeAdapter(name="fast", capabilities=HONOURS)
+    slow_ids = seed(engine, SHARE, now=schema.utcnow(), adapter="slow", prefix="slow")
+    dispatcher: Dispatcher = make_dispatcher(
+        slow, fast, concurrency=CONCURRENCY, slow_send_after=0.05, poll_interval=0.05
+    )
+    real_finish = store.finish_attempts
+
+    def failing(engine_, finishes):  # type: ignore[no-untyped-def]
+        if any(f.effect_id in slow_ids for f in finishes):
+            raise RuntimeError("the database is gone")
+        return real_finish(engine_, finishes)
+
+    monkeypatch.setattr(store, "finish_attempts", failing)
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert slow.wait_out(SHARE)
+        assert _eventually(lambda: bool(dispatcher._detached))
+        slow.release.set()  # the results come back; recording them fails
+        assert _eventually(lambda: not dispatcher._detached and dispatcher._in_flight == 0)
+        fast_ids = seed(engine, 3, now=schema.utcnow(), adapter="fast", prefix="fast")
+        dispatcher.wake()
+        assert _eventually(lambda: all(row(engine, i).status == S.SUCCEEDED for i in fast_ids))
+    finally:
+        slow.release.set()
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+    assert not thread.is_alive()
+    for effect_id in slow_ids:
+        r = row(engine, effect_id)
+        assert (r.status, r.lease_owner) == (S.IN_FLIGHT, "w1")
+        (attempt,) = attempts(engine, effect_id)
+        assert attempt.finished_at is None  # open: the evidence that it may have been sent
