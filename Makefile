@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow profile clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow bench-storage profile clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -29,6 +29,7 @@ help:
 	@echo "make chaos-pooler    the chaos run through PgBouncer in transaction pooling mode"
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
 	@echo "make bench-drain / bench-flood / bench-slow  lost replies drained, a flooding tenant, a slow provider"
+	@echo "make bench-storage  the outbox tables' writes with and without their fillfactors (PostgreSQL)"
 
 $(VENV)/bin/python:
 	@echo "==> creating the virtual environment $(VENV) ($$(python3 -V))"
@@ -145,6 +146,11 @@ bench-slow: $(STAMP)
 
 # One tenant floods, another's p99 is measured unloaded and under the flood (at most 3x).
 # A latency ratio on a shared 2-core box: a measurement, so it lives here, not in make test.
+# What a delivery's writes cost PostgreSQL with the tables' fillfactors and without:
+# WAL, HOT updates, sizes, and EXPLAIN (ANALYZE, BUFFERS, WAL) of the claim and the result.
+bench-storage: $(STAMP)
+	$(PY) -m bench.storage $(STORAGE_ARGS)
+
 bench-flood: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider bench/flood
 

@@ -10,7 +10,7 @@
   as a note, never as the actor.
 
 Revision ID: 0005
-Revises: 0001
+Revises: 0004
 Create Date: 2026-12-04
 """
 
