@@ -3,15 +3,20 @@
 PostgreSQL: ``INSERT ... SELECT generate_series``. SQLite: a recursive CTE. Rows
 have the shape the create path writes (operation record + outbox row), so the
 dispatcher reads what it would read in production; finished history also gets
-its attempt row, as a real delivery leaves one.
+its attempt row, as a real delivery leaves one. The minimal baseline's backlog
+(``fill_minimal``) has as many rows with the same payload, in its own table.
+Every backlog is analysed once filled, so no system starts from a planner's guess.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
@@ -34,10 +39,15 @@ def _ts(value: datetime) -> str:
     return value.astimezone(UTC).replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")
 
 
+def _due_now() -> datetime:
+    # A second back: due for every loop, whatever the clocks' rounding.
+    return datetime.now(UTC) - timedelta(seconds=1)
+
+
 def fill(url: str, count: int, *, finished: bool = False, adapter: str = NOOP_ADAPTER) -> None:
     """Add ``count`` effects: due now (pending), or already delivered (with an attempt row)."""
     tag = uuid.uuid4().hex[:10]
-    now = datetime.now(UTC) - timedelta(seconds=1)
+    now = _due_now()
     status = "succeeded" if finished else "pending"
     params = {
         "tenant": harness.TENANT,
@@ -86,54 +96,90 @@ def _fill_postgres(url: str, p: dict[str, object], now: datetime, finished: bool
                    FROM outbox WHERE operation_id LIKE %(prefix)s || '%%'""",
                 p,
             )
-        conn.commit()
-        conn.execute("ANALYZE outbox")
-        conn.commit()
+        _analyse_postgres(conn, "outbox")
+
+
+def _analyse_postgres(conn: psycopg.Connection[Any], table: str) -> None:
+    """Commit the load, then give the planner its statistics."""
+    conn.commit()
+    conn.execute(f"ANALYZE {table}")
+    conn.commit()
+
+
+_SERIES = "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < :n) "
+
+
+@contextlib.contextmanager
+def _sqlite_load(url: str) -> Iterator[sqlite3.Connection]:
+    """One write transaction for the load; then ANALYZE, and the WAL folded into the file."""
+    path = sa.make_url(url).database
+    assert path
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        yield conn
+        conn.execute("COMMIT")
+        conn.execute("ANALYZE")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
 
 
 def _fill_sqlite(url: str, p: dict[str, object], now: datetime, finished: bool) -> None:
-    path = sa.make_url(url).database
-    assert path
     p = {
         **p,
         "now": _ts(now),
         "deadline": _ts(now + timedelta(days=1)),
         "expires": _ts(now + timedelta(days=30)),
     }
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
-    series = "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < :n) "
-    conn.execute("BEGIN IMMEDIATE")
-    conn.execute(
-        series
-        + """INSERT INTO operations (tenant, operation_id, tool, payload_version, args_digest,
-                 receipt, status_code, created_at, expires_at)
-             SELECT :tenant, :prefix || i, 'create_support_task', 1, printf('%064d', i), '{}', 201,
-                 :now, :expires FROM g""",
-        p,
-    )
-    conn.execute(
-        series
-        + """INSERT INTO outbox (tenant, operation_id, effect, adapter, payload, effect_key,
-                 status, reason, attempts, maybe_sent, next_attempt_at, deadline_at, fence,
-                 needs_review, lookup_attempts, provider_ref, created_at, updated_at, finished_at)
-             SELECT :tenant, :prefix || i, 'open_ticket', :adapter, :payload, 'obx_' || :prefix || i,
-                 :status, :reason, :attempts, :attempts > 0, :now, :deadline, :attempts, 0, 0, :ref,
-                 :now, :now, CASE WHEN :attempts > 0 THEN :now END FROM g""",
-        p,
-    )
-    if finished:
+    with _sqlite_load(url) as conn:
         conn.execute(
-            """INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,
-                   finished_at, outcome, status_code, provider_ref)
-               SELECT id, 1, 'bench', 1, effect_key, :now, :now, 'delivered', 200, :ref
-               FROM outbox WHERE operation_id >= :prefix AND operation_id < :prefix || '~'""",
+            _SERIES
+            + """INSERT INTO operations (tenant, operation_id, tool, payload_version, args_digest,
+                     receipt, status_code, created_at, expires_at)
+                 SELECT :tenant, :prefix || i, 'create_support_task', 1, printf('%064d', i), '{}', 201,
+                     :now, :expires FROM g""",
             p,
         )
-    conn.execute("COMMIT")
-    conn.execute("ANALYZE")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
+        conn.execute(
+            _SERIES
+            + """INSERT INTO outbox (tenant, operation_id, effect, adapter, payload, effect_key,
+                     status, reason, attempts, maybe_sent, next_attempt_at, deadline_at, fence,
+                     needs_review, lookup_attempts, provider_ref, created_at, updated_at, finished_at)
+                 SELECT :tenant, :prefix || i, 'open_ticket', :adapter, :payload, 'obx_' || :prefix || i,
+                     :status, :reason, :attempts, :attempts > 0, :now, :deadline, :attempts, 0, 0, :ref,
+                     :now, :now, CASE WHEN :attempts > 0 THEN :now END FROM g""",
+            p,
+        )
+        if finished:
+            conn.execute(
+                """INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,
+                       finished_at, outcome, status_code, provider_ref)
+                   SELECT id, 1, 'bench', 1, effect_key, :now, :now, 'delivered', 200, :ref
+                   FROM outbox WHERE operation_id >= :prefix AND operation_id < :prefix || '~'""",
+                p,
+            )
+
+
+def fill_minimal(url: str, count: int) -> None:
+    """``count`` due rows in ``minimal_outbox`` (``harness.minimal_tables``), with the
+    payload of ``fill``'s: the minimal baseline drains the same backlog from its own table."""
+    columns = "minimal_outbox (payload, status, next_attempt_at, attempts, created_at)"
+    if sa.make_url(url).get_backend_name() == "sqlite":
+        with _sqlite_load(url) as conn:
+            conn.execute(
+                f"{_SERIES}INSERT INTO {columns} SELECT :payload, 'pending', :now, 0, :now FROM g",
+                {"payload": PAYLOAD, "now": _ts(_due_now()), "n": count},
+            )
+        return
+    with psycopg.connect(conninfo(url)) as conn:
+        conn.execute(
+            f"""INSERT INTO {columns} SELECT %(payload)s, 'pending', %(now)s, 0, %(now)s
+                FROM generate_series(1, %(n)s)""",
+            {"payload": PAYLOAD, "now": _due_now(), "n": count},
+        )
+        _analyse_postgres(conn, "minimal_outbox")
 
 
 def pending(url: str) -> int:

@@ -4,14 +4,19 @@ Outbox: ``Outbox(url).execute(tenant, op_id, "create_support_task", args)``,
 each call its own transaction (task + operation record + outbox row).
 Baseline: the driver itself (psycopg / sqlite3), one business row plus one
 outbox row per transaction, the same columns, values and indexes.
+Minimal: the same loop writing one row to each of two bare tables
+(``harness.minimal_tables``): Outbox against it is what our schema and our
+guarantees cost together over the least a transactional outbox writes.
 Replay: the same keys again, every call answered from the stored receipt.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -75,6 +80,23 @@ def outbox_client(
         box.close()
 
 
+def timed(one: Callable[[int], object], start_at: float, end_at: float) -> dict[str, Any]:
+    """A client's loop: warm up, wait for the shared start, then ``one(i)`` until the end."""
+    for i in range(WARMUP_OPS):
+        one(-1 - i)
+    harness.wait_until(start_at)
+    started = time.monotonic()
+    ops = 0
+    while ops < MAX_OPS and time.monotonic() < end_at:
+        one(ops)
+        ops += 1
+    return {"ops": ops, "started": started, "ended": time.monotonic()}
+
+
+def _payload(args: dict[str, Any]) -> str:
+    return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _rows(client: int, i: int, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
     args = arguments(client, i)
     op = f"raw-{client}-{i}"
@@ -88,7 +110,7 @@ def _rows(client: int, i: int, now: datetime) -> tuple[dict[str, Any], dict[str,
         "created_at": now,
         "updated_at": now,
     }
-    payload = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    payload = _payload(args)
     effect = {
         "tenant": harness.TENANT,
         "operation_id": op,
@@ -111,52 +133,71 @@ def _rows(client: int, i: int, now: datetime) -> tuple[dict[str, Any], dict[str,
     return task, effect
 
 
+def _minimal_rows(client: int, i: int, now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The business row and the outbox row of the minimal tables, the same payload."""
+    args = arguments(client, i)
+    task = {"subject": args["subject"], "created_at": now}
+    effect = {
+        "payload": _payload(args),
+        "status": "pending",
+        "next_attempt_at": now,
+        "attempts": 0,
+        "created_at": now,
+    }
+    return task, effect
+
+
+# The raw loop's (business table, outbox table, rows of call i) by baseline.
+TABLES = {
+    "raw": ("raw_tasks", "raw_outbox", _rows),
+    "minimal": ("minimal_tasks", "minimal_outbox", _minimal_rows),
+}
+
+
 def _insert_sql(table: str, row: dict[str, Any], style: str, returning: str = "") -> str:
     columns = ", ".join(row)
     marks = ", ".join(f"%({c})s" if style == "pyformat" else f":{c}" for c in row)
     return f"INSERT INTO {table} ({columns}) VALUES ({marks}){returning}"
 
 
-def raw_postgres_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+def raw_postgres_client(
+    *, client: int, start_at: float, end_at: float, url: str, tables: str = "raw"
+) -> dict[str, Any]:
     import psycopg
 
+    business, outbox, rows = TABLES[tables]
     conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(conninfo, options="-c timezone=UTC") as conn:
-        task, effect = _rows(client, 0, datetime.now(UTC))
-        task_sql = _insert_sql("raw_tasks", task, "pyformat", " RETURNING id")
-        effect_sql = _insert_sql("raw_outbox", effect, "pyformat")
+        task, effect = rows(client, 0, datetime.now(UTC))
+        task_sql = _insert_sql(business, task, "pyformat", " RETURNING id")
+        effect_sql = _insert_sql(outbox, effect, "pyformat")
         cur = conn.cursor()
 
         def one(i: int) -> None:
-            task, effect = _rows(client, i, datetime.now(UTC))
+            task, effect = rows(client, i, datetime.now(UTC))
             cur.execute(task_sql, task)
             cur.fetchone()
             cur.execute(effect_sql, effect)
             conn.commit()
 
-        for i in range(WARMUP_OPS):
-            one(-1 - i)
-        harness.wait_until(start_at)
-        started = time.monotonic()
-        ops = 0
-        while ops < MAX_OPS and time.monotonic() < end_at:
-            one(ops)
-            ops += 1
-        return {"ops": ops, "started": started, "ended": time.monotonic()}
+        return timed(one, start_at, end_at)
 
 
 def _sqlite_ts(value: datetime) -> str:
     return value.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds")
 
 
-def raw_sqlite_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+def raw_sqlite_client(
+    *, client: int, start_at: float, end_at: float, url: str, tables: str = "raw"
+) -> dict[str, Any]:
+    business, outbox, rows = TABLES[tables]
     conn = harness.sqlite_connect(url, check_same_thread=False)
-    task, effect = _rows(client, 0, datetime.now(UTC))
-    task_sql = _insert_sql("raw_tasks", task, "named", " RETURNING id")
-    effect_sql = _insert_sql("raw_outbox", effect, "named")
+    task, effect = rows(client, 0, datetime.now(UTC))
+    task_sql = _insert_sql(business, task, "named", " RETURNING id")
+    effect_sql = _insert_sql(outbox, effect, "named")
 
     def one(i: int) -> None:
-        task, effect = _rows(client, i, datetime.now(UTC))
+        task, effect = rows(client, i, datetime.now(UTC))
         for row in (task, effect):
             for k, v in row.items():
                 if isinstance(v, datetime):
@@ -167,15 +208,7 @@ def raw_sqlite_client(*, client: int, start_at: float, end_at: float, url: str) 
         conn.execute("COMMIT")
 
     try:
-        for i in range(WARMUP_OPS):
-            one(-1 - i)
-        harness.wait_until(start_at)
-        started = time.monotonic()
-        ops = 0
-        while ops < MAX_OPS and time.monotonic() < end_at:
-            one(ops)
-            ops += 1
-        return {"ops": ops, "started": started, "ended": time.monotonic()}
+        return timed(one, start_at, end_at)
     finally:
         conn.close()
 
@@ -188,8 +221,10 @@ def run(ctx: Any) -> None:
     for rep in range(ctx.reps):
         for backend in ctx.backends:
             for clients in ctx.create_clients:
-                # Quick mode checks for a regression against raw only (no floor).
-                systems = ["raw", "outbox"] if ctx.quick else ["raw", "floor", "outbox"]
+                # Quick mode checks for a regression against the raw loops only (no floor).
+                systems = ["raw", "minimal", "outbox"]
+                if not ctx.quick:
+                    systems += ["floor"]
                 for system in harness.rotated(systems, rep):
                     url = ctx.scratch.fresh(backend)
                     try:
@@ -198,18 +233,23 @@ def run(ctx: Any) -> None:
                         ctx.scratch.drop(url)
 
 
+def _baseline(system: str, backend: str) -> Callable[..., dict[str, Any]]:
+    """The client function of a baseline: raw and minimal are one loop on two sets of tables."""
+    if system == "floor":
+        return floor.create_client
+    return functools.partial(RAW_CLIENT[backend], tables=system)
+
+
 def _measure(ctx: Any, rep: int, backend: str, clients: int, system: str, url: str) -> None:
     common = {"db": backend, "clients": clients, "rep": rep}
-    if system in ("raw", "floor"):
-        client = RAW_CLIENT[backend] if system == "raw" else floor.create_client
-        reports = ctx.clients.run(client, clients, ctx.create_seconds, url=url)
+    if system != "outbox":
+        reports = ctx.clients.run(_baseline(system, backend), clients, ctx.create_seconds, url=url)
         ops, span = harness.throughput(reports)
-        note = {"note": floor.NOTE} if system == "floor" else {}
         ctx.out.emit(
             case="create",
             system=system,
             **common,
-            **note,
+            **harness.note(system),
             ops=ops,
             seconds=span,
             ops_per_s=ops / span,

@@ -5,8 +5,11 @@ Outbox: ``Dispatcher.run_once`` in a loop, in 1 and 2 processes, with
 effect before the send, and every result is still recorded under its fence.
 Baseline: a raw claim loop on the same table and rows (claim 100 with
 ``FOR UPDATE SKIP LOCKED`` in one UPDATE ... RETURNING, commit, then one batched
-acknowledgement), no attempt rows. Peers: pgqueuer and procrastinate draining
-the same number of jobs with no-op handlers (PostgreSQL only).
+acknowledgement), no attempt rows. Minimal: the same raw loop on a table of
+the fewest columns and one partial index (``harness.minimal_tables``), filled
+with the same backlog: Outbox against it is what our schema costs on top of the
+loop. Peers: pgqueuer and procrastinate draining the same number of jobs with
+no-op handlers (PostgreSQL only).
 
 Each drain runs for a bounded window over a backlog larger than it can finish,
 so the figure is the steady-state rate, not a tail.
@@ -14,8 +17,10 @@ so the figure is the steady-state rate, not a tail.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -51,36 +56,72 @@ UPDATE outbox SET status = 'succeeded', reason = 'delivered', provider_ref = 'no
     finished_at = :now, lease_owner = NULL, lease_expires_at = NULL, updated_at = :now
 WHERE id IN ({marks})
 """
+# The same loop on ``minimal_outbox``: what is left of the claim and the acknowledgement
+# when the table has no column the loop does not need.
+MINIMAL_CLAIM_PG = """
+UPDATE minimal_outbox SET status = 'in_flight',
+    lease_expires_at = now() + interval '60 seconds', attempts = attempts + 1
+WHERE id IN (
+    SELECT id FROM minimal_outbox WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+RETURNING id, payload
+"""
+MINIMAL_ACK_PG = """
+UPDATE minimal_outbox SET status = 'succeeded', lease_expires_at = NULL WHERE id = ANY(%(ids)s)
+"""
+MINIMAL_CLAIM_SQLITE = """
+UPDATE minimal_outbox SET status = 'in_flight', lease_expires_at = :lease,
+    attempts = attempts + 1
+WHERE id IN (
+    SELECT id FROM minimal_outbox WHERE status = 'pending' AND next_attempt_at <= :now
+    ORDER BY next_attempt_at, id LIMIT :limit)
+RETURNING id, payload
+"""
+MINIMAL_ACK_SQLITE = """
+UPDATE minimal_outbox SET status = 'succeeded', lease_expires_at = NULL WHERE id IN ({marks})
+"""
+# The raw loop's (claim, acknowledgement) by table, then by backend.
+LOOPS = {
+    "raw": {"postgres": (RAW_CLAIM_PG, RAW_ACK_PG), "sqlite": (RAW_CLAIM_SQLITE, RAW_ACK_SQLITE)},
+    "minimal": {
+        "postgres": (MINIMAL_CLAIM_PG, MINIMAL_ACK_PG),
+        "sqlite": (MINIMAL_CLAIM_SQLITE, MINIMAL_ACK_SQLITE),
+    },
+}
 
 
 def _noop(row: Any) -> str:
     return f"noop-{row[1]}"
 
 
-def raw_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
-    owner = f"raw-{client}-{uuid.uuid4().hex[:6]}"
+def raw_drain(
+    *, client: int, start_at: float, end_at: float, url: str, tables: str = "raw"
+) -> dict[str, Any]:
+    """The raw claim loop on ``outbox`` (``tables="raw"``) or on ``minimal_outbox``."""
+    owner = f"{tables}-{client}-{uuid.uuid4().hex[:6]}"
     if sa.make_url(url).get_backend_name() == "sqlite":
-        return _raw_drain_sqlite(owner, start_at, end_at, url)
+        return _raw_drain_sqlite(owner, start_at, end_at, url, *LOOPS[tables]["sqlite"])
+    claim, ack = LOOPS[tables]["postgres"]
     with psycopg.connect(backlog.conninfo(url)) as conn:
         harness.wait_until(start_at)
         started = time.monotonic()
         done = 0
         while time.monotonic() < end_at:
-            rows = conn.execute(RAW_CLAIM_PG, {"owner": owner, "limit": BATCH}).fetchall()
+            rows = conn.execute(claim, {"owner": owner, "limit": BATCH}).fetchall()
             conn.commit()
             if not rows:
                 break
             for row in rows:
                 _noop(row)
-            conn.execute(RAW_ACK_PG, {"ids": [r[0] for r in rows]})
+            conn.execute(ack, {"ids": [r[0] for r in rows]})
             conn.commit()
             done += len(rows)
         return {"ops": done, "started": started, "ended": time.monotonic()}
 
 
-def _raw_drain_sqlite(owner: str, start_at: float, end_at: float, url: str) -> dict[str, Any]:
-    from datetime import UTC, datetime, timedelta
-
+def _raw_drain_sqlite(
+    owner: str, start_at: float, end_at: float, url: str, claim: str, ack: str
+) -> dict[str, Any]:
     conn = harness.sqlite_connect(url)
 
     def ts(value: datetime) -> str:
@@ -94,7 +135,7 @@ def _raw_drain_sqlite(owner: str, start_at: float, end_at: float, url: str) -> d
             now = datetime.now(UTC)
             conn.execute("BEGIN IMMEDIATE")
             rows = conn.execute(
-                RAW_CLAIM_SQLITE,
+                claim,
                 {
                     "owner": owner,
                     "lease": ts(now + timedelta(seconds=60)),
@@ -108,10 +149,11 @@ def _raw_drain_sqlite(owner: str, start_at: float, end_at: float, url: str) -> d
             for row in rows:
                 _noop(row)
             ids = [r[0] for r in rows]
+            # Positional marks for the ids; every :now of the statement is the same time.
+            sql = ack.format(marks=",".join("?" * len(ids)))
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
-                RAW_ACK_SQLITE.format(marks=",".join("?" * len(ids))).replace(":now", "?"),
-                [ts(datetime.now(UTC)), ts(datetime.now(UTC)), *ids],
+                sql.replace(":now", "?"), [ts(datetime.now(UTC))] * sql.count(":now") + ids
             )
             conn.execute("COMMIT")
             done += len(rows)
@@ -153,19 +195,26 @@ def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> di
         d.engine.dispose()
 
 
-SYSTEMS = {"outbox": outbox_drain, "raw": raw_drain, "floor": floor.drain}
+SYSTEMS = {
+    "outbox": outbox_drain,
+    "raw": raw_drain,
+    "minimal": functools.partial(raw_drain, tables="minimal"),
+    "floor": floor.drain,
+}
+# How each system's backlog is made (the peers enqueue theirs through their own API).
+FILLS = {"minimal": backlog.fill_minimal}
 
 
 def run(ctx: Any) -> None:
     seconds = 2.0 if ctx.quick else 4.0
     for rep in range(ctx.reps):
         for backend in ctx.backends:
-            variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1)]
-            # Quick mode checks for a regression against raw only (no floor, no peers).
+            variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1), ("minimal", 1)]
+            # Quick mode checks for a regression against the raw loops only (no floor, no peers).
             if not ctx.quick:
                 variants.append(("floor", 1))
             if backend == "postgres" and not ctx.quick:
-                variants += [("outbox", 2), ("raw", 2), ("floor", 2)]
+                variants += [("outbox", 2), ("raw", 2), ("minimal", 2), ("floor", 2)]
                 # Scaling: throughput must not fall as dispatcher processes are added.
                 variants += [("outbox", 4), ("outbox", 8)]
                 variants += [(name, 1) for name in peers.DRAINERS if peers.available(name)]
@@ -184,16 +233,15 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, processes: int, seco
     else:
         url = ctx.scratch.fresh(backend)
         try:
-            backlog.fill(url, ctx.backlog)
+            FILLS.get(system, backlog.fill)(url, ctx.backlog)
             reports = ctx.clients.run(SYSTEMS[system], processes, seconds, url=url)
         finally:
             ctx.scratch.drop(url)
     done, span = harness.throughput(reports)
-    note = {"note": floor.NOTE} if system == "floor" else {}
     ctx.out.emit(
         case="dispatch",
         system=system,
-        **note,
+        **harness.note(system),
         db=backend,
         processes=processes,
         rep=rep,

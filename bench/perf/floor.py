@@ -28,8 +28,6 @@ import sqlalchemy as sa
 
 from bench.perf import backlog, harness
 
-NOTE = "Outbox's SQL, bare driver"
-
 # --- case 1: a create ------------------------------------------------------------
 
 
@@ -111,15 +109,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
         conn.execute("COMMIT")
 
     try:
-        for i in range(create_path.WARMUP_OPS):
-            one(-1 - i)
-        harness.wait_until(start_at)
-        started = time.monotonic()
-        ops = 0
-        while ops < create_path.MAX_OPS and time.monotonic() < end_at:
-            one(ops)
-            ops += 1
-        return {"ops": ops, "started": started, "ended": time.monotonic()}
+        return create_path.timed(one, start_at, end_at)
     finally:
         conn.close()
 

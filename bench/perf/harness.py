@@ -74,13 +74,61 @@ def raw_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
     return made[0], made[1]
 
 
+# What the table says of each baseline beside its name.
+NOTES = {"floor": "Outbox's SQL, bare driver", "minimal": "bare tables, one index"}
+
+
+def note(system: str) -> dict[str, str]:
+    """The ``note`` field of a measurement of ``system``, if it has one."""
+    return {"note": NOTES[system]} if system in NOTES else {}
+
+
+def minimal_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+    """``minimal_tasks`` and ``minimal_outbox``: the fewest columns a working outbox needs
+    and one partial index, on the due pending rows the claim reads. The same loops on
+    these and on ``raw_tables`` (or ``outbox``) tell what our schema itself costs."""
+    from outbox.schema import BigId
+
+    def stamp(name: str, nullable: bool = False) -> sa.Column[Any]:
+        return sa.Column(name, sa.DateTime(timezone=True), nullable=nullable)
+
+    tasks = sa.Table(
+        "minimal_tasks",
+        metadata,
+        sa.Column("id", BigId, primary_key=True),
+        sa.Column("subject", sa.Text(), nullable=False),
+        stamp("created_at"),
+    )
+    outbox = sa.Table(
+        "minimal_outbox",
+        metadata,
+        sa.Column("id", BigId, primary_key=True),
+        sa.Column("payload", sa.Text(), nullable=False),
+        sa.Column("status", sa.Text(), nullable=False),
+        stamp("next_attempt_at"),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        stamp("lease_expires_at", nullable=True),
+        stamp("created_at"),
+    )
+    due = sa.text("status = 'pending'")
+    sa.Index(
+        "minimal_outbox_due",
+        outbox.c.next_attempt_at,
+        outbox.c.id,
+        postgresql_where=due,
+        sqlite_where=due,
+    )
+    return tasks, outbox
+
+
 def prepare(engine: sa.Engine) -> None:
-    """Migrate, add the tenant and the raw baseline tables."""
+    """Migrate, add the tenant and the raw and minimal baseline tables."""
     from outbox import db, schema
 
     db.upgrade(engine)
     metadata = sa.MetaData()
     raw_tables(metadata)
+    minimal_tables(metadata)
     metadata.create_all(engine)
     with db.write(engine) as conn:
         conn.execute(sa.insert(schema.tenants), {"id": TENANT, "created_at": schema.utcnow()})
