@@ -142,6 +142,9 @@ def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
 class Registry:
     def __init__(self) -> None:
         self._tools: dict[str, Tool] = {}
+        # Tools whose handler has taken ``ctx.conn``: the create path starts their
+        # calls in a transaction from then on (``outbox.creating.create``).
+        self.needs_transaction: set[str] = set()
 
     def register(self, tool: Tool) -> Tool:
         if tool.name in self._tools:

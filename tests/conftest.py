@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import db, faults, settings
+from outbox.creating import create
 
 POSTGRES_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL", "")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -141,3 +142,10 @@ def make_settings() -> Callable[..., settings.Settings]:
 def _no_armed_faults() -> Iterator[None]:
     yield
     faults.disarm()
+
+
+@pytest.fixture(autouse=True)
+def _replays_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no history of replays: the create path it takes
+    (optimistic, or lookup first) is then the test's, not its predecessors'."""
+    monkeypatch.setattr(create, "_REPLAYS", create._ReplayShare())

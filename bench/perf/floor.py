@@ -74,7 +74,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     find = db.driver_sql(create._FIND, backend)
     effect_columns = tuple(k for k in effect if k not in ("tenant", "operation_id"))
     if backend == "postgresql":
-        # Autocommit: the lookup, then one statement that commits alone.
+        # Autocommit: one statement that commits alone, with the key's lookup in it.
         conn: Any = psycopg.connect(backlog.conninfo(url), autocommit=True)
         next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
         ids: list[int] = []
@@ -89,7 +89,6 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
         key = {"tenant": record["tenant"], "operation_id": record["operation_id"]}
         if backend == "postgresql":
             cur = conn.cursor()
-            assert cur.execute(find, key).fetchone() is None
             if not ids:
                 table = {"table": "tasks", "column": "id"}
                 ids.extend(row[0] for row in reversed(cur.execute(next_ids, table).fetchall()))
@@ -98,7 +97,7 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
             sql, params = create._pg_statement(
                 record, [(schema.tasks, task)], [{k: effect[k] for k in effect_columns}]
             )
-            assert cur.execute(sql, params).fetchone()
+            assert [row[0] for row in cur.execute(sql, params).fetchall()] == ["new"]
             return
         task, record, effect = (db.driver_values(backend, r) for r in (task, record, effect))
         conn.execute("BEGIN IMMEDIATE")

@@ -18,16 +18,18 @@ PostgreSQL: the primary key of ``operations`` is the identity; the insert is
 key to finish. If ours inserted nothing, nothing of ours is kept and we replay
 what the winner committed.
 
-PostgreSQL, one statement. A create is two round trips: the lookup of the key,
-then one statement that commits alone (autocommit) and writes everything: a
-data-modifying CTE inserts the record (unless the key has a tombstone, and
-``ON CONFLICT DO NOTHING``), and the handler's rows and the outbox rows are
-selected from what that insert returned, so a lost race or a tombstone writes
-nothing at all. One statement is one transaction: the rows commit together or
-not at all, as in the transaction it replaces, without BEGIN and COMMIT and
-the round trips between them. The handler's rows are collected, not sent, while
-it runs (``ctx.insert``); a row's auto-incremented id is drawn beforehand from
-the table's sequence, in blocks (``_Ids``).
+PostgreSQL, one statement. A create is one round trip: one statement that
+commits alone (autocommit) and writes everything: a data-modifying CTE inserts
+the record (unless the key has a tombstone, and ``ON CONFLICT DO NOTHING``),
+and the handler's rows and the outbox rows are selected from what that insert
+returned, so a replay, a lost race or a tombstone writes nothing at all. The
+key's lookup rides in the same statement: a replay is one round trip too, and
+runs the handler for nothing (the handler contract allows it). One statement is
+one transaction: the rows commit together or not at all, as in the transaction
+it replaces, without BEGIN and COMMIT and the round trips between them. The
+handler's rows are collected, not sent, while it runs (``ctx.insert``); a row's
+auto-incremented id is drawn beforehand from the table's sequence, in blocks
+(``_Ids``).
 
 SQLite: one ``BEGIN IMMEDIATE`` transaction of plain statements on the pooled
 driver connection (``db.direct_write``); the handler's rows are written as it
@@ -103,7 +105,14 @@ class _NeedsTransaction(BaseException):
     """The handler took ``ctx.conn`` on the one-statement path: run it in a transaction.
 
     A ``BaseException``, so that a handler's ``except Exception`` cannot swallow it.
+    ``by_the_tool``: the handler asked for the connection (not this call's size),
+    so the tool's later calls start in the transaction (``Registry.needs_transaction``)
+    rather than run the handler for nothing on every call and every replay.
     """
+
+    def __init__(self, *, by_the_tool: bool = False) -> None:
+        super().__init__()
+        self.by_the_tool = by_the_tool
 
 
 class _Request(NamedTuple):
@@ -167,13 +176,17 @@ def execute(
 
     try:
         try:
+            if spec.name in registry.needs_transaction:
+                raise _NeedsTransaction()
             if engine.dialect.name == "postgresql":
                 # No pre-ping, and once more on a new connection if this one was
-                # dead: safe, because the second run looks the key up first and
-                # replays if the first run's statement did commit.
+                # dead: safe, because the second run's statement finds the key
+                # taken and answers the first run's record if its statement did commit.
                 return db.autocommit(engine, lambda conn: _one_statement(engine, conn, request))
             return db.direct_write(engine, body)
-        except _NeedsTransaction:
+        except _NeedsTransaction as needs:
+            if needs.by_the_tool:
+                registry.needs_transaction.add(spec.name)
             # The handler takes ``ctx.conn``: a SQLAlchemy transaction. No pre-ping:
             # a dead pooled connection fails a statement instead, and the
             # transaction runs again on a new one. That is safe because nothing
@@ -297,8 +310,34 @@ def _pg_create(
             .from_select(["tenant", "operation_id", *effect_columns], select)
             .cte("effects")
         )
-    statement = sa.select(record.c.tenant).add_cte(*writes)
+    # The key's lookup rides along: what holds the key in the statement's snapshot
+    # (a record or a tombstone) comes back with the row that says we wrote.
+    statement: sa.CompoundSelect[Any] = sa.union_all(*_FIND.selects, _wrote(record))
+    statement = statement.add_cte(*writes)
     return db.driver_sql(statement, "postgresql")
+
+
+def _wrote(record: sa.CTE) -> sa.Select[str, None, None, None]:
+    """One row when the record was inserted, in the shape of ``_FIND``'s rows."""
+    return sa.select(
+        sa.literal_column("'new'", sa.String()).label("kind"),
+        sa.null().label("args_digest"),
+        sa.null().label("receipt"),
+        sa.null().label("status_code"),
+    ).select_from(record)
+
+
+def _wrote_or_found(conn: db.Driver, sql: str, params: dict[str, Any]) -> bool | _Found | None:
+    """Send ``_pg_create``'s statement: True if it wrote, else what held the key.
+
+    None: it wrote nothing and its snapshot held neither a record nor a
+    tombstone. A create of the key committed while the statement ran (its
+    ``ON CONFLICT`` waited for it), or expired just then: look again.
+    """
+    rows = db.driver_execute(conn, sql, params).fetchall()
+    if any(row[0] == "new" for row in rows):
+        return True
+    return _Found(*rows[0]) if rows else None
 
 
 def _pg_statement(
@@ -380,7 +419,7 @@ class _Immediate:
 
     def connection(self) -> Connection:
         if self._conn is None:
-            raise _NeedsTransaction()
+            raise _NeedsTransaction(by_the_tool=True)
         return self._conn
 
     def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any:
@@ -395,7 +434,7 @@ class _Collected:
         self.rows: list[tuple[sa.Table, dict[str, Any]]] = []
 
     def connection(self) -> Connection:
-        raise _NeedsTransaction()
+        raise _NeedsTransaction(by_the_tool=True)
 
     def insert(self, table: sa.Table, values: Mapping[str, Any], returning: str | None) -> Any:
         if len(self.rows) >= _FOLD_LIMIT:
@@ -403,7 +442,8 @@ class _Collected:
         row = dict(values)
         if returning is not None and returning not in row:
             if returning != _serial_column(table):
-                raise _NeedsTransaction()  # only the database knows it before the insert
+                # Only the database knows it before the insert, on every call.
+                raise _NeedsTransaction(by_the_tool=True)
             row[returning] = _IDS.take(self._engine, self._conn, table, returning)
         self.rows.append((table, db.driver_values("postgresql", row)))
         return None if returning is None else row[returning]
@@ -429,27 +469,83 @@ def _answer_existing(
     return ExecuteResult(tenant, operation_id, False, found.status_code, found.receipt)
 
 
+class _ReplayShare:
+    """How many of this process's recent creates were replays (a moving average).
+
+    It only picks which of two correct paths runs first. Writing optimistically
+    costs a replay the handler's run and a statement that writes nothing; looking
+    the key up first costs a first call a round trip. In ordinary traffic
+    replays are rare and the optimistic path wins; in a retry storm (a provider
+    or a network fault makes every caller retry) most calls are replays, and the
+    lookup alone answers them. Threads may race on ``share``: a lost update
+    nudges a heuristic, nothing more.
+    """
+
+    WEIGHT = 0.1  # about the last ten calls
+    LOOK_FIRST_ABOVE = 0.5  # a lookup (~a third of a create) pays off above ~40% replays
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+    def note(self, replayed: bool) -> None:
+        self.share += self.WEIGHT * (float(replayed) - self.share)
+
+    def look_first(self) -> bool:
+        return self.share > self.LOOK_FIRST_ABOVE
+
+
+_REPLAYS = _ReplayShare()
+
+
 def _one_statement(engine: Engine, conn: db.Driver, request: _Request) -> ExecuteResult:
-    """PostgreSQL, autocommit: look the key up, then write everything in one statement."""
+    """PostgreSQL, autocommit: one statement writes everything, or finds the key's holder.
+
+    Optimistic: the handler runs first, and its rows go in the statement with the
+    key's lookup, so a first call is one round trip, and so is a replay (whose
+    handler run is discarded: the handler contract allows a second run, and its
+    rows are never sent). A handler that fails, or asks for ``ctx.conn``, may be
+    answering a replay: the key is looked up before anything else is decided.
+    While most recent calls were replays (``_ReplayShare``), the key is looked up
+    first, and only a first call runs the handler.
+    """
     tenant, operation_id = request.tenant, request.operation_id
-    found = _find(conn, tenant, operation_id)
-    if found is None:
-        writer = _Collected(engine, conn)
+    if _REPLAYS.look_first():
+        found = _find(conn, tenant, operation_id)
+        if found is not None:
+            _REPLAYS.note(True)
+            return _answer_existing(tenant, operation_id, request.args_digest, found)
+    result = _write_optimistically(engine, conn, request)
+    _REPLAYS.note(not result.created)
+    return result
+
+
+def _write_optimistically(engine: Engine, conn: db.Driver, request: _Request) -> ExecuteResult:
+    tenant, operation_id = request.tenant, request.operation_id
+    writer = _Collected(engine, conn)
+    try:
         output = _run_handler(writer, request)
         if len(writer.rows) + len(output.effects) > _FOLD_LIMIT:
             raise _NeedsTransaction()
         receipt_json, record, effects = _record_and_effects(request, output, "postgresql")
-        # The writes are one statement that commits alone: the crash windows of
-        # the general path's transaction all fall here, before it is sent.
-        faults.point("create.after_operation_insert")
-        faults.point("create.after_outbox_insert")
-        sql, params = _pg_statement(record, writer.rows, effects)
-        if db.driver_execute(conn, sql, params).fetchone() is not None:
-            return ExecuteResult(tenant, operation_id, True, record["status_code"], receipt_json)
-        # A concurrent create of the key committed first (or it has just expired).
+    except (Exception, _NeedsTransaction):
+        # A replay is answered from its record whatever the handler does today
+        # (its code, or the data it reads, may have changed since the first call).
         found = _find(conn, tenant, operation_id)
-        if found is None:  # pragma: no cover - the statement found the record or tombstone
-            raise errors.Busy()
+        if found is None:
+            raise
+        return _answer_existing(tenant, operation_id, request.args_digest, found)
+    # The writes are one statement that commits alone: the crash windows of
+    # the general path's transaction all fall here, before it is sent.
+    faults.point("create.after_operation_insert")
+    faults.point("create.after_outbox_insert")
+    outcome = _wrote_or_found(conn, *_pg_statement(record, writer.rows, effects))
+    if outcome is True:
+        return ExecuteResult(tenant, operation_id, True, record["status_code"], receipt_json)
+    # The key was taken: by a create before ours (a replay), or by one that
+    # committed while our statement ran (its record was not in our snapshot).
+    found = outcome or _find(conn, tenant, operation_id)
+    if found is None:  # pragma: no cover - the statement found the record or tombstone
+        raise errors.Busy()
     return _answer_existing(tenant, operation_id, request.args_digest, found)
 
 
@@ -461,9 +557,8 @@ def _create(conn: db.Driver, request: _Request, sa_conn: Connection | None) -> E
     tenant, operation_id = request.tenant, request.operation_id
     if backend == "postgresql" and len(effects) <= _FOLD_LIMIT:
         # One statement for the record and the outbox rows: both crash windows fall after it.
-        sql, params = _pg_statement(record, [], effects)
-        if db.driver_execute(conn, sql, params).fetchone() is None:  # the key was taken
-            raise _LostRace()
+        if _wrote_or_found(conn, *_pg_statement(record, [], effects)) is not True:
+            raise _LostRace()  # the key was taken after this transaction looked
         faults.point("create.after_operation_insert")
     else:
         sql = _insert_operation(backend, tuple(record))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, db
+from outbox import Outbox, db, schema
 from tests.conftest import _admin_engine
 from tests.foundation.conftest import counts
 
@@ -62,7 +62,13 @@ def test_a_create_on_a_terminated_connection_runs_again_and_creates_once(postgre
     result = box.execute("acme", "op-1", TOOL, ARGS)
 
     assert result.created and result.status_code == 201
-    assert result.receipt == {"operation_id": "op-1", "status": "created", "task_id": 2}
+    # The receipt names the one task row the committing run wrote (ids are
+    # unique, not dense: the run on the dead connection drew one too).
+    with db.read(box.engine) as conn:
+        task_id = conn.execute(
+            sa.select(schema.tasks.c.id).where(schema.tasks.c.operation_id == "op-1")
+        ).scalar_one()
+    assert result.receipt == {"operation_id": "op-1", "status": "created", "task_id": task_id}
     assert counts(box) == {"tasks": 2, "operations": 2, "outbox": 2}
     # It ran on a new connection: the dead one was dropped, not reused.
     assert not _backend_pids(box) & pids

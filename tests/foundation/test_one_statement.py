@@ -239,8 +239,9 @@ def test_a_create_with_many_rows_and_effects_takes_the_general_path(db_url: str,
         again = box.execute("acme", "op-1", "many_rows", {"subject": "s"})
         assert first.created and again.replayed and again.receipt_json == first.receipt_json
         assert counts(box) == {"tasks": MANY, "operations": 1, "outbox": MANY}
-        # PostgreSQL stopped collecting at the fold limit and ran it in a transaction.
-        assert runs == (["many_rows", "many_rows"] if backend == "postgres" else ["many_rows"])
+        # PostgreSQL stopped collecting at the fold limit and ran it in a transaction;
+        # the replay's optimistic run stopped there too, and the lookup answered it.
+        assert runs == (["many_rows"] * 3 if backend == "postgres" else ["many_rows"])
         assert box.engine.pool.checkedout() == 0
 
 
@@ -270,3 +271,147 @@ def test_a_statement_that_committed_before_its_connection_died_replays(pg_box: O
     assert result.receipt_json == pg_box.execute("acme", "op-1", TOOL, ARGS).receipt_json
     assert pg_box.get_operation("acme", "op-1")["receipt"] == result.receipt
     assert counts(pg_box) == {"tasks": 1, "operations": 1, "outbox": 1}
+
+
+def _statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement the fast paths send from now on, first words only."""
+    sent: list[str] = []
+    real = db.driver_execute
+
+    def counted(conn, sql, params, *, many=False):  # type: ignore[no-untyped-def]
+        sent.append(" ".join(sql.split()[:2]))
+        return real(conn, sql, params, many=many)
+
+    monkeypatch.setattr(db, "driver_execute", counted)
+    return sent
+
+
+@pytest.mark.postgres
+def test_a_first_call_and_a_replay_are_one_round_trip_each(pg_box: Outbox, monkeypatch):
+    pg_box.execute("acme", "op-warm", TOOL, ARGS)  # draws the first block of task ids
+    sent = _statements(monkeypatch)
+    first = pg_box.execute("acme", "op-1", TOOL, ARGS)
+    assert first.created and sent == ["WITH record"]
+    sent.clear()
+    again = pg_box.execute("acme", "op-1", TOOL, ARGS)
+    assert again.replayed and again.receipt_json == first.receipt_json
+    assert sent == ["WITH record"]  # the lookup rode along; nothing was written
+    sent.clear()
+    with pytest.raises(errors.IdempotencyKeyReused):
+        pg_box.execute("acme", "op-1", TOOL, {"subject": "other"})
+    assert sent == ["WITH record"]
+    assert counts(pg_box) == {"tasks": 2, "operations": 2, "outbox": 2}
+
+
+@pytest.mark.postgres
+def test_in_a_retry_storm_the_key_is_looked_up_first_and_after_it_not(pg_box: Outbox, monkeypatch):
+    """While most recent calls were replays, a replay is the lookup alone (no
+    handler run, no write statement); once first calls are back, a first call
+    is one statement again."""
+    for i in range(20):
+        pg_box.execute("acme", f"op-{i}", TOOL, ARGS)
+    sent = _statements(monkeypatch)
+    storm = [pg_box.execute("acme", f"op-{i}", TOOL, ARGS) for i in range(20)]
+    assert all(r.replayed for r in storm)
+    # The first replays ride the optimistic statement; then the lookup comes first.
+    assert sent[:5] == ["WITH record"] * 5
+    assert sent[-10:] == ["SELECT 'op'"] * 10
+    sent.clear()
+    first_calls = [pg_box.execute("acme", f"new-{i}", TOOL, ARGS) for i in range(20)]
+    assert all(r.created for r in first_calls)
+    # A first call in a storm pays for the lookup too, until the storm has passed.
+    assert sent[:2] == ["SELECT 'op'", "WITH record"]
+    assert sent[-10:] == ["WITH record"] * 10
+    assert counts(pg_box) == {"tasks": 40, "operations": 40, "outbox": 40}
+
+
+def test_a_replay_is_answered_even_when_the_handler_now_fails(db_url: str, clock):
+    """The stored receipt is the answer to a replay, whatever today's handler does
+    (new code, or data it reads that changed): the optimistic run's error is not."""
+    failing = False
+
+    def flaky(ctx: tools.ToolContext, args: Note) -> tools.ToolOutput:
+        if failing:
+            raise ValueError("today's handler refuses this")
+        return _output(ctx, ctx.insert(schema.tasks, _task_row(ctx, args.subject), returning="id"))
+
+    registry = tools.default_registry()
+    registry.register(tools.Tool("flaky", 1, Note, flaky))
+    with Outbox(db_url, clock=clock, registry=registry) as box:
+        box.create_tenant("acme")
+        first = box.execute("acme", "op-1", "flaky", {"subject": "s"})
+        failing = True
+        again = box.execute("acme", "op-1", "flaky", {"subject": "s"})
+        assert again.replayed and again.receipt_json == first.receipt_json
+        with pytest.raises(ValueError, match="refuses"):  # a first call still fails
+            box.execute("acme", "op-2", "flaky", {"subject": "s"})
+        assert counts(box) == {"tasks": 1, "operations": 1, "outbox": 1}
+        assert box.engine.pool.checkedout() == 0
+
+
+def test_a_tool_that_took_the_connection_starts_in_the_transaction(handlers_box: Outbox):
+    box = handlers_box
+    box.execute("acme", "op-1", "with_conn", {"subject": "s"})
+    assert runs == ["with_conn", "with_conn"]  # up to ``ctx.conn``, then in a transaction
+    runs.clear()
+    second = box.execute("acme", "op-2", "with_conn", {"subject": "t"})
+    replay = box.execute("acme", "op-2", "with_conn", {"subject": "t"})
+    assert second.created and replay.replayed and replay.receipt_json == second.receipt_json
+    assert runs == ["with_conn"]  # once: no run for nothing, and none for the replay
+    assert counts(box) == {"tasks": 2, "operations": 2, "outbox": 2}
+
+
+@pytest.mark.postgres
+def test_a_create_committed_while_our_statement_waits_is_found_after_it(
+    pg_box: Outbox, postgres_url: str
+):
+    """Our statement's snapshot predates the other create, so the lookup riding in it
+    sees nothing; its ON CONFLICT waits for the other to commit and writes nothing.
+    The key is looked up again, after, and the other's record answers."""
+    import threading
+    import time
+
+    holder = sa.create_engine(db.normalise_url(postgres_url), poolclass=sa.pool.NullPool)
+    try:
+        with holder.connect() as other:
+            pid = other.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            other.execute(
+                sa.insert(schema.operations),
+                {
+                    "tenant": "acme",
+                    "operation_id": "op-1",
+                    "tool": TOOL,
+                    "payload_version": 1,
+                    "args_digest": "f" * 64,  # other arguments than ours
+                    "receipt": "{}",
+                    "status_code": 201,
+                    "created_at": pg_box.clock(),
+                    "expires_at": pg_box.clock() + timedelta(days=1),
+                },
+            )  # not committed: our insert of the key must wait for it
+            outcome: list[BaseException | create.ExecuteResult] = []
+
+            def ours() -> None:
+                try:
+                    outcome.append(pg_box.execute("acme", "op-1", TOOL, ARGS))
+                except BaseException as error:  # noqa: BLE001 - handed to the test
+                    outcome.append(error)
+
+            thread = threading.Thread(target=ours)
+            thread.start()
+            waiting = (  # a lock our create waits for, in this test's database only
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                f" WHERE NOT l.granted AND a.datname = current_database() AND l.pid <> {pid}"
+            )
+            for _ in range(2000):  # bounded by count; each probe is a round trip
+                if other.exec_driver_sql(waiting).scalar_one():
+                    break
+                time.sleep(0.005)
+            else:
+                pytest.fail("our create never waited for the other's key")
+            other.commit()
+            thread.join(timeout=30)
+    finally:
+        holder.dispose()
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.IdempotencyKeyReused)
+    assert counts(pg_box) == {"tasks": 0, "operations": 1, "outbox": 0}
