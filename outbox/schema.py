@@ -474,23 +474,13 @@ FOR EACH ROW EXECUTE FUNCTION outbox_effect_key_immutable()
 """,
 ]
 
-# Wake dispatchers as soon as new rows commit (PostgreSQL only).
+# Wake dispatchers as soon as new rows commit (PostgreSQL only): a statement-level
+# trigger on outbox notifies this channel when its statement inserted a pending
+# row (migrations 0001 and 0007). Not on every insert statement: a replay's create
+# statement inserts none (its lookup rides in it), and every NOTIFY makes its commit
+# take a lock that serialises all notifying commits in the cluster, and wakes every
+# dispatcher for a pass that finds nothing.
 NOTIFY_CHANNEL = "outbox_pending"
-NOTIFY_TRIGGER_POSTGRES = [
-    f"""
-CREATE FUNCTION outbox_notify_pending() RETURNS trigger AS $$
-BEGIN
-    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
-    RETURN NULL;
-END
-$$ LANGUAGE plpgsql
-""",
-    """
-CREATE TRIGGER trg_outbox_notify_pending
-AFTER INSERT ON outbox
-FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_pending()
-""",
-]
 
 
 def utcnow() -> datetime:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from outbox import Outbox, db, schema, states
+from outbox import Outbox, db, errors, schema, settings, states
 from outbox.app import App
 
 SMALL = {"order_id": "ord_1", "amount_cents": 1999, "currency": "EUR", "reason": "damaged"}
@@ -73,3 +73,48 @@ def test_a_rule_that_raises_writes_nothing(app_db_url: str, refunds_app: App, cl
                 for t in (tables.refunds, schema.operations, schema.outbox)
             ]
         assert counts == [0, 0, 0]
+
+
+@pytest.mark.postgres
+def test_only_a_statement_that_wrote_a_pending_row_wakes_the_dispatchers(
+    postgres_url: str, refunds_app: App, clock
+) -> None:
+    """A NOTIFY costs every notifying commit a cluster-wide lock and wakes every
+    dispatcher: a created pending effect sends one; a replay (whose statement looks
+    the key up and inserts nothing), a held effect and a refused create send none;
+    the approval that releases a held effect sends its own."""
+    import psycopg
+
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        refunds_app.upgrade(engine)
+    finally:
+        engine.dispose()
+    conninfo = sa.make_url(postgres_url).set(drivername="postgresql")
+    dsn = conninfo.render_as_string(hide_password=False)
+    with (
+        psycopg.connect(dsn, autocommit=True) as listener,
+        Outbox(postgres_url, app=refunds_app, clock=clock) as box,
+    ):
+        listener.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
+        box.create_tenant("shop")
+
+        def sent(action) -> int:
+            """Notifications the action's commits sent: delivered in commit order,
+            so once our own marker arrives, every earlier one has."""
+            action()
+            with psycopg.connect(dsn, autocommit=True) as other:
+                other.execute("SELECT pg_notify(%s, 'marker')", [schema.NOTIFY_CHANNEL])
+            for count, note in enumerate(listener.notifies()):
+                if note.payload == "marker":
+                    return count
+            raise AssertionError("unreachable")
+
+        assert sent(lambda: box.execute("shop", "small", "issue_refund", SMALL)) == 1
+        assert sent(lambda: box.execute("shop", "small", "issue_refund", SMALL)) == 0
+        assert sent(lambda: box.execute("shop", "large", "issue_refund", LARGE)) == 0
+        assert sent(lambda: box.execute("shop", "large", "issue_refund", LARGE)) == 0
+        with pytest.raises(errors.IdempotencyKeyReused):
+            sent(lambda: box.execute("shop", "small", "issue_refund", LARGE))
+        assert sent(lambda: None) == 0  # the refused create sent nothing
+        assert sent(lambda: box.decide_approval("shop", "large", "approve", actor="alice")) == 1

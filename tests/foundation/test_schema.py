@@ -222,3 +222,41 @@ def test_finishing_an_attempt_is_a_hot_update_on_postgres(postgres_url: str):
         finally:
             raw.rollback()
             raw.close()
+
+
+@pytest.mark.postgres
+def test_migrations_0006_and_0007_go_down_and_up_again(postgres_url: str):
+    """Down to 0005: default fillfactors and the trigger that notified on every
+    insert statement; up again: both as the schema module and 0007 say."""
+    from alembic import command
+
+    engine = db.create_engine(settings.load(), url=postgres_url)
+
+    def storage() -> tuple[dict[str, str | None], bool]:
+        with db.read(engine) as conn:
+            options = dict(
+                conn.exec_driver_sql(
+                    "SELECT relname, array_to_string(reloptions, ',') FROM pg_class"
+                    " WHERE relname IN ('outbox', 'attempts')"
+                ).all()
+            )
+            source = conn.exec_driver_sql(
+                "SELECT prosrc FROM pg_proc WHERE proname = 'outbox_notify_pending'"
+            ).scalar_one()
+        return options, "inserted" in source
+
+    try:
+        with engine.connect() as conn:
+            command.downgrade(db._alembic_config(conn), "0005")
+            conn.commit()
+        assert storage() == ({"outbox": None, "attempts": None}, False)
+        db.upgrade(engine)
+        assert storage() == (
+            {
+                "outbox": f"fillfactor={schema.OUTBOX_FILLFACTOR}",
+                "attempts": f"fillfactor={schema.ATTEMPTS_FILLFACTOR}",
+            },
+            True,
+        )
+    finally:
+        engine.dispose()

@@ -382,8 +382,26 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         op.execute(schema.EFFECT_KEY_TRIGGER_SQLITE)
     else:
-        for statement in schema.EFFECT_KEY_TRIGGER_POSTGRES + schema.NOTIFY_TRIGGER_POSTGRES:
+        for statement in schema.EFFECT_KEY_TRIGGER_POSTGRES + _NOTIFY_TRIGGER:
             op.execute(statement)
+
+
+# This revision's wake-up trigger, as it was (0006 replaces it).
+_NOTIFY_TRIGGER = [
+    f"""
+CREATE FUNCTION outbox_notify_pending() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('{schema.NOTIFY_CHANNEL}', '');
+    RETURN NULL;
+END
+$$ LANGUAGE plpgsql
+""",
+    """
+CREATE TRIGGER trg_outbox_notify_pending
+AFTER INSERT ON outbox
+FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_pending()
+""",
+]
 
 
 def downgrade() -> None:
