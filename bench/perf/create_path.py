@@ -221,7 +221,7 @@ def run(ctx: Any) -> None:
     for rep in range(ctx.reps):
         for backend in ctx.backends:
             for clients in ctx.create_clients:
-                # Quick mode checks for a regression against the raw loops only (no floor).
+                # Quick mode measures the systems the targets name (not the floor).
                 systems = ["raw", "minimal", "outbox"]
                 if not ctx.quick:
                     systems += ["floor"]

@@ -210,14 +210,18 @@ def run(ctx: Any) -> None:
     for rep in range(ctx.reps):
         for backend in ctx.backends:
             variants: list[tuple[str, int]] = [("outbox", 1), ("raw", 1), ("minimal", 1)]
-            # Quick mode checks for a regression against the raw loops only (no floor, no peers).
+            # Quick mode measures every system a target names (raw, pgqueuer, 2
+            # processes), not the floor, the scaling beyond 2 or procrastinate.
             if not ctx.quick:
                 variants.append(("floor", 1))
+            if backend == "postgres":
+                variants += [("outbox", 2), ("raw", 2), ("minimal", 2)]
+                peer_names = ["pgqueuer"] if ctx.quick else list(peers.DRAINERS)
+                variants += [(name, 1) for name in peer_names if peers.available(name)]
             if backend == "postgres" and not ctx.quick:
-                variants += [("outbox", 2), ("raw", 2), ("minimal", 2), ("floor", 2)]
+                variants.append(("floor", 2))
                 # Scaling: throughput must not fall as dispatcher processes are added.
                 variants += [("outbox", 4), ("outbox", 8)]
-                variants += [(name, 1) for name in peers.DRAINERS if peers.available(name)]
             for system, processes in harness.rotated(variants, rep):
                 _measure(ctx, rep, backend, system, processes, seconds)
 
