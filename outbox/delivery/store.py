@@ -310,6 +310,33 @@ _CLAIMED = (
 _CLAIMED_SQL = ", ".join(_CLAIMED)
 
 
+# The pieces every claim shares, so that the one-statement claim and the two
+# steps cannot drift apart: which rows are due (oldest first, skipping rows
+# another dispatcher holds), what a claim writes on the row, and the attempt rows
+# it opens before anything is sent.
+def _due_where(now: str) -> str:
+    return f"status = '{S.PENDING.value}' AND next_attempt_at <= {now} AND {_ORDERED}"
+
+
+_PG_DUE_WHERE = _due_where("now()")
+_PG_DUE_ORDER = "ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+
+
+def _claim_set(owner: str, lease_expires_at: str, now: str, row: str = "") -> str:
+    """The SET list of a claim, each value an SQL expression or placeholder."""
+    return (
+        f"status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',"
+        f" lease_owner = {owner}, lease_expires_at = {lease_expires_at},"
+        f" fence = {row}fence + 1, attempts = {row}attempts + 1, updated_at = {now}"
+    )
+
+
+_PG_OPEN_ATTEMPTS = (
+    "INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)"
+    " SELECT id, attempts, %(owner)s, fence, effect_key, {started_at}, false FROM claimed"
+)
+
+
 # The common pass on PostgreSQL as one statement, committed alone (no BEGIN,
 # no COMMIT: one round trip): among the due rows, oldest first (the select of
 # ``_select_due``), the first attempts of adapters whose breaker is closed are
@@ -320,19 +347,14 @@ _PG_CLAIM_FIRST = f"""
 WITH due AS (
     SELECT id, attempts = 0 AND deadline_at > now() AND adapter <> ALL(%(unsettled)s::varchar[])
         AS first
-    FROM outbox
-    WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now() AND {_ORDERED}
-    ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+    FROM outbox WHERE {_PG_DUE_WHERE} {_PG_DUE_ORDER}
 ), claimed AS (
-    UPDATE outbox AS o SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
-        lease_owner = %(owner)s, lease_expires_at = now() + %(lease)s,
-        fence = o.fence + 1, attempts = o.attempts + 1, updated_at = now()
+    UPDATE outbox AS o SET {_claim_set("%(owner)s", "now() + %(lease)s", "now()", "o.")}
     FROM due
     WHERE o.id = due.id AND due.first
     RETURNING {", ".join(f"o.{c}" for c in _CLAIMED)}
 ), opened AS (
-    INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)
-    SELECT id, attempts, %(owner)s, fence, effect_key, now(), false FROM claimed
+    {_PG_OPEN_ATTEMPTS.format(started_at="now()")}
 )
 SELECT true, {_CLAIMED_SQL}, now()
 FROM claimed
@@ -402,15 +424,13 @@ class _Due(NamedTuple):
 # ``_select_due`` without held-back adapters, on the database's clock.
 _PG_DUE = f"""
 SELECT id, adapter, attempts, maybe_sent, deadline_at, now() AS db_now FROM outbox
-WHERE status = '{S.PENDING.value}' AND next_attempt_at <= now() AND {_ORDERED}
-ORDER BY next_attempt_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+WHERE {_PG_DUE_WHERE} {_PG_DUE_ORDER}
 """
 
 
 _SQLITE_DUE = f"""
 SELECT id, adapter, attempts, maybe_sent, deadline_at FROM outbox
-WHERE status = '{S.PENDING.value}' AND next_attempt_at <= ? AND {_ORDERED}
-ORDER BY next_attempt_at, id LIMIT ?
+WHERE {_due_where("?")} ORDER BY next_attempt_at, id LIMIT ?
 """
 
 
@@ -461,22 +481,17 @@ def _select_due(conn: Connection, params: ClaimParams) -> Sequence[Any]:
 # data-modifying CTE) and commit with the claim, before anything is sent.
 _PG_CLAIM = f"""
 WITH claimed AS (
-    UPDATE outbox SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
-        lease_owner = %(owner)s, lease_expires_at = %(lease_expires_at)s,
-        fence = fence + 1, attempts = attempts + 1, updated_at = %(now)s
+    UPDATE outbox SET {_claim_set("%(owner)s", "%(lease_expires_at)s", "%(now)s")}
     WHERE id = ANY(%(ids)s::bigint[]) AND status = '{S.PENDING.value}'
     RETURNING {_CLAIMED_SQL}
 ), opened AS (
-    INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at, late)
-    SELECT id, attempts, %(owner)s, fence, effect_key, %(now)s, false FROM claimed
+    {_PG_OPEN_ATTEMPTS.format(started_at="%(now)s")}
 )
 SELECT {_CLAIMED_SQL}
 FROM claimed ORDER BY id
 """
 _SQLITE_CLAIM = f"""
-UPDATE outbox SET status = '{S.IN_FLIGHT.value}', reason = '{Reason.CLAIMED.value}',
-    lease_owner = ?, lease_expires_at = ?, fence = fence + 1, attempts = attempts + 1,
-    updated_at = ?
+UPDATE outbox SET {_claim_set("?", "?", "?")}
 WHERE id IN ({{marks}}) AND status = '{S.PENDING.value}'
 RETURNING {_CLAIMED_SQL}
 """
