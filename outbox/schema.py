@@ -482,6 +482,23 @@ FOR EACH ROW EXECUTE FUNCTION outbox_effect_key_immutable()
 # dispatcher for a pass that finds nothing.
 NOTIFY_CHANNEL = "outbox_pending"
 
+# The wake-up's gate (PostgreSQL; the table exists on SQLite too, unused): how many
+# dispatchers are about to sleep on LISTEN. The trigger holds WAKEUP_LOCK shared,
+# reads the count and notifies only when it is above zero, so under a backlog (every
+# dispatcher busy) or with none running, a create's commit takes no notify lock. A
+# dispatcher counts itself in under WAKEUP_LOCK exclusive, which waits for the
+# creates that read the count before it, and then looks once more before it sleeps:
+# a create that saw zero has committed by then. A dispatcher that dies counted in
+# leaves the count high, which only costs notifications. Migration 0008.
+WAKEUP_LOCK = 726374  # an advisory lock key (db.upgrade's is 726373)
+dispatch_wakeup = sa.Table(
+    "dispatch_wakeup",
+    metadata,
+    sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
+    sa.Column("sleepers", sa.Integer(), nullable=False, server_default="0"),
+    sa.CheckConstraint("id = 1", name="one_row"),
+)
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)

@@ -891,6 +891,8 @@ class Dispatcher:
                 listening=self._listening,
                 worker=self.worker_id,
             )
+        # With LISTEN, creates notify only while some dispatcher sleeps (the gate).
+        gate = None if listener is None else wakeup.Gate(self.engine, worker=self.worker_id)
         self._wake.open()
         handled = 0
         failures = 0
@@ -912,6 +914,8 @@ class Dispatcher:
                     self._stop.wait(min(s.poll_interval.total_seconds() * failures, 30.0))
                     continue
                 handled += count
+                if gate is not None and self._more_due:
+                    gate.count_out()  # a backlog: we will not sleep, nobody need notify us
                 # Go again at once when more may be due: the last select was full,
                 # or nothing else would tell us of a row committed during the pass.
                 # While LISTEN is up such a row's NOTIFY is waiting on the socket,
@@ -920,6 +924,11 @@ class Dispatcher:
                     continue
                 if once:
                     break
+                listening = self._listening.is_set()
+                if gate is not None and not gate.counted and listening and gate.count_in():
+                    # One more pass before sleeping: the creates that saw no
+                    # sleeper, and so sent no NOTIFY, have committed by now.
+                    continue
                 # A wake-up, a NOTIFY on the LISTEN connection, or the poll interval
                 # (while LISTEN is down, its next attempt if that comes first).
                 timeout = s.poll_interval.total_seconds()
@@ -939,6 +948,8 @@ class Dispatcher:
             for collector in list(self._collectors):
                 collector.join()
             scheduler.shutdown(wait=False)
+            if gate is not None:
+                gate.count_out()
             if listener is not None:
                 listener.close()
             self._wake.close()

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from outbox import schema
+
 logger = logging.getLogger("outbox.dispatcher")
 
 CONNECT_TIMEOUT_SECONDS = 2  # the loop's own thread connects: never for long
@@ -177,3 +179,57 @@ class Listener:
         self._listening.clear()
         self._retry_at = time.monotonic() + self._delay
         self._delay = min(self._delay * 2, RETRY_MAX_SECONDS)
+
+
+class Gate:
+    """PostgreSQL: this dispatcher's place among the sleepers (``schema.dispatch_wakeup``).
+
+    The wake-up trigger notifies only while the count is above zero. The loop
+    counts itself in before it sleeps on LISTEN, then looks once more: the
+    count-in takes the advisory lock the trigger holds shared, so it waits for
+    every create that read the count before it, and that look sees their rows;
+    every create after it notifies. It counts
+    itself out while a backlog keeps it busy (its passes come back full), when
+    no create needs to notify on its account.
+
+    Errors lean to notifying too much: a count-in whose outcome is unknown is
+    not believed (the loop sleeps no longer than its poll interval, and counts
+    in again next time: at worst one too many), and a count-out is believed
+    whether or not it committed (at worst the count stays one too high).
+    """
+
+    _LOCK = f"SELECT pg_advisory_xact_lock({schema.WAKEUP_LOCK})"
+    _IN = "UPDATE dispatch_wakeup SET sleepers = sleepers + 1 WHERE id = 1"
+    _OUT = "UPDATE dispatch_wakeup SET sleepers = GREATEST(sleepers - 1, 0) WHERE id = 1"
+
+    def __init__(self, engine: Any, *, worker: str) -> None:
+        self._engine = engine
+        self._worker = worker
+        self.counted = False
+
+    def count_in(self) -> bool:
+        """True when counted in: then a NOTIFY will come for any later create."""
+        if not self.counted:
+            self.counted = self._update(self._LOCK, self._IN)
+        return self.counted
+
+    def count_out(self) -> None:
+        if self.counted:
+            self._update(self._OUT)
+            self.counted = False
+
+    def _update(self, *statements: str) -> bool:
+        from outbox import db
+
+        try:
+            with db.write(self._engine) as conn:
+                for sql in statements:
+                    conn.exec_driver_sql(sql)
+        except Exception:
+            logger.warning(
+                "could not update the wake-up gate; polling meanwhile",
+                exc_info=True,
+                extra={"worker": self._worker},
+            )
+            return False
+        return True

@@ -98,6 +98,10 @@ def test_only_a_statement_that_wrote_a_pending_row_wakes_the_dispatchers(
     ):
         listener.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
         box.create_tenant("shop")
+        with db.write(
+            box.engine
+        ) as conn:  # a dispatcher sleeps (tests/dispatcher/test_wakeup_gate.py)
+            conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=1))
 
         def sent(action) -> int:
             """Notifications the action's commits sent: delivered in commit order,

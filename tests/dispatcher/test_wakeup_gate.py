@@ -1,0 +1,239 @@
+"""The wake-up's gate (PostgreSQL): creates notify only while a dispatcher may sleep.
+
+A NOTIFY serialises its commit with every other notifying commit in the
+cluster; while every dispatcher is busy, or none runs, nobody listens for it.
+The trigger reads ``dispatch_wakeup`` under a shared advisory lock and notifies only when a
+dispatcher has counted itself in. What must never happen is a lost wake-up: a
+dispatcher asleep while a committed row waits for the poll. These tests hold
+the two sides of that: the count-in waits for a create that read zero, and a
+dispatcher that counted itself out under a backlog counts in again before it
+sleeps, and is then woken by the next create.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+import adapters
+from adapters import DeliveryRequest, DeliveryResult
+from adapters.testing import FakeAdapter
+from outbox import Outbox, db, faults, schema, settings
+from outbox.delivery import wakeup
+from outbox.delivery.dispatcher import Dispatcher
+from tests.dispatcher.conftest import TEST_SETTINGS
+from tests.dispatcher.support import seed, statuses
+from tests.support.patience import PATIENCE_S
+
+pytestmark = pytest.mark.postgres
+
+TOOL = "create_support_task"
+HONOURS = adapters.Capabilities(True, True, 2.0)
+
+
+@pytest.fixture
+def pg_engine(postgres_url: str) -> Iterator[Engine]:
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    yield engine
+    engine.dispose()
+
+
+def _sleepers(engine: Engine) -> int:
+    with db.read(engine) as conn:
+        return int(conn.execute(sa.select(schema.dispatch_wakeup.c.sleepers)).scalar_one())
+
+
+def _set_sleepers(engine: Engine, count: int) -> None:
+    with db.write(engine) as conn:
+        conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=count))
+
+
+def _listener(url: str) -> psycopg.Connection[Any]:
+    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
+    return conn
+
+
+def _notifications(listener: psycopg.Connection[Any], url: str) -> int:
+    """The NOTIFYs that arrived so far: delivered in commit order, so once our own
+    marker arrives, every one committed before it has."""
+    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT pg_notify(%s, 'marker')", [schema.NOTIFY_CHANNEL])
+    for count, note in enumerate(listener.notifies()):
+        if note.payload == "marker":
+            return count
+    raise AssertionError("unreachable")
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for a condition another thread brings about, bounded by count."""
+    for _ in range(int(PATIENCE_S / 0.01)):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_the_trigger_notifies_only_while_a_dispatcher_is_counted_in(postgres_url: str, clock):
+    with Outbox(postgres_url, clock=clock) as box, _listener(postgres_url) as listener:
+        box.create_tenant("acme")
+        assert _sleepers(box.engine) == 0  # as migrated: nobody sleeps yet
+        box.execute("acme", "op-1", TOOL, {"subject": "s"})
+        assert _notifications(listener, postgres_url) == 0
+        _set_sleepers(box.engine, 2)
+        box.execute("acme", "op-2", TOOL, {"subject": "s"})
+        assert _notifications(listener, postgres_url) == 1
+        with db.write(box.engine) as conn:  # a missing row fails open: notify
+            conn.execute(sa.delete(schema.dispatch_wakeup))
+        box.execute("acme", "op-3", TOOL, {"subject": "s"})
+        assert _notifications(listener, postgres_url) == 1
+
+
+def test_counting_in_waits_for_a_create_that_saw_no_sleeper(postgres_url: str, clock):
+    """The create read zero and will not notify; the count-in waits for its commit,
+    so the dispatcher's look after counting in finds its row."""
+    with Outbox(postgres_url, clock=clock) as box, _listener(postgres_url) as listener:
+        box.create_tenant("acme")
+        box.tools.needs_transaction.add(TOOL)  # the create holds its transaction open
+        inside, release = threading.Event(), threading.Event()
+
+        def pause() -> None:
+            inside.set()
+            assert release.wait(PATIENCE_S)
+
+        faults.arm("create.after_operation_insert", pause)
+        creating = threading.Thread(
+            target=box.execute, args=("acme", "op-1", TOOL, {"subject": "s"})
+        )
+        creating.start()
+        gate = wakeup.Gate(box.engine, worker="w1")
+        counting = threading.Thread(target=gate.count_in)
+        try:
+            assert inside.wait(PATIENCE_S)  # its row is written, the gate's row share-locked
+            counting.start()
+
+            def waiting() -> bool:
+                with db.read(box.engine) as conn:
+                    return bool(
+                        conn.exec_driver_sql(
+                            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a"
+                            " ON a.pid = l.pid WHERE NOT l.granted"
+                            " AND a.datname = current_database()"
+                        ).scalar_one()
+                    )
+
+            _until(waiting, "the count-in waits for the create's lock")
+            assert counting.is_alive() and not gate.counted
+        finally:
+            release.set()
+            creating.join(PATIENCE_S)
+            counting.join(PATIENCE_S)
+        assert gate.counted and _sleepers(box.engine) == 1
+        # The create committed before the count went up: the look after it sees the row.
+        assert statuses(box.engine) == {"pending": 1}
+        assert _notifications(listener, postgres_url) == 0
+        box.execute("acme", "op-2", TOOL, {"subject": "s"})  # after the count: notifies
+        assert _notifications(listener, postgres_url) == 1
+        gate.count_out()
+        assert _sleepers(box.engine) == 0
+
+
+def test_a_dispatcher_counts_out_under_a_backlog_and_in_again_before_it_sleeps(
+    pg_engine: Engine, monkeypatch
+) -> None:
+    """With the poll a long way off, every delivery here is woken by a NOTIFY or
+    found by the look after counting in: never by the poll."""
+    calls: list[str] = []
+    real_in, real_out = wakeup.Gate.count_in, wakeup.Gate.count_out
+
+    def count_in(self: wakeup.Gate) -> bool:
+        calls.append("in")
+        return real_in(self)
+
+    def count_out(self: wakeup.Gate) -> None:
+        if self.counted:
+            calls.append("out")
+        real_out(self)
+
+    monkeypatch.setattr(wakeup.Gate, "count_in", count_in)
+    monkeypatch.setattr(wakeup.Gate, "count_out", count_out)
+    delivered: list[int] = []
+    lock = threading.Lock()
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        with lock:
+            delivered.append(request.effect_id)
+        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
+
+    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step] * 100)
+    config = settings.load(
+        **{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10, "claim_batch_size": 5}
+    )
+    dispatcher = Dispatcher(pg_engine, adapters.Registry([adapter]), config, worker_id="w1")
+    ready = threading.Event()
+    thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready})
+    thread.start()
+    try:
+        assert ready.wait(PATIENCE_S)
+        _until(lambda: _sleepers(pg_engine) == 1, "the idle dispatcher counts itself in")
+        seed(pg_engine, 1, now=schema.utcnow(), prefix="one")
+        _until(lambda: len(delivered) == 1, "one create wakes the sleeping dispatcher")
+        # A backlog of 40 in one commit: the passes come back full, the dispatcher
+        # counts itself out, drains it, and counts in again before it sleeps.
+        seed(pg_engine, 40, now=schema.utcnow(), prefix="many")
+        _until(lambda: len(delivered) == 41, "the backlog drains")
+        _until(lambda: _sleepers(pg_engine) == 1, "counted in again once idle")
+        assert "out" in calls and calls[-1] == "in"
+        seed(pg_engine, 1, now=schema.utcnow(), prefix="last")
+        _until(lambda: len(delivered) == 42, "the next create wakes it again")
+    finally:
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+        dispatcher.close()
+    assert not thread.is_alive()
+    assert _sleepers(pg_engine) == 0  # counted out as it stopped
+    assert sorted(delivered) == sorted(set(delivered))  # each once
+
+
+def test_a_row_committed_just_before_the_count_in_is_found_by_the_look_after_it(
+    pg_engine: Engine, monkeypatch
+) -> None:
+    """The race the look after counting in closes: a create reads zero (no NOTIFY)
+    and commits after the dispatcher's last pass but before its count-in."""
+    real_in = wakeup.Gate.count_in
+    raced: list[int] = []
+
+    def count_in(self: wakeup.Gate) -> bool:
+        if not raced:
+            assert _sleepers(pg_engine) == 0
+            raced.extend(seed(pg_engine, 1, now=schema.utcnow(), prefix="race"))
+        return real_in(self)
+
+    monkeypatch.setattr(wakeup.Gate, "count_in", count_in)
+    delivered = threading.Event()
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.set()
+        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
+
+    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step])
+    config = settings.load(**{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10})
+    dispatcher = Dispatcher(pg_engine, adapters.Registry([adapter]), config, worker_id="w1")
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        assert delivered.wait(PATIENCE_S), "the row waited for the poll: a lost wake-up"
+    finally:
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+        dispatcher.close()
+    assert raced and statuses(pg_engine) == {"succeeded": 1}
