@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from outbox import schema
+from outbox import db, schema
 
 logger = logging.getLogger("outbox.dispatcher")
 
@@ -219,8 +219,6 @@ class Gate:
             self.counted = False
 
     def _update(self, *statements: str) -> bool:
-        from outbox import db
-
         try:
             with db.write(self._engine) as conn:
                 for sql in statements:

@@ -83,36 +83,26 @@ def test_only_a_statement_that_wrote_a_pending_row_wakes_the_dispatchers(
     dispatcher: a created pending effect sends one; a replay (whose statement looks
     the key up and inserts nothing), a held effect and a refused create send none;
     the approval that releases a held effect sends its own."""
-    import psycopg
+    from tests.support import notify
 
     engine = db.create_engine(settings.load(), url=postgres_url)
     try:
         refunds_app.upgrade(engine)
     finally:
         engine.dispose()
-    conninfo = sa.make_url(postgres_url).set(drivername="postgresql")
-    dsn = conninfo.render_as_string(hide_password=False)
     with (
-        psycopg.connect(dsn, autocommit=True) as listener,
+        notify.listener(postgres_url) as listener,
         Outbox(postgres_url, app=refunds_app, clock=clock) as box,
     ):
-        listener.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
         box.create_tenant("shop")
-        with db.write(
-            box.engine
-        ) as conn:  # a dispatcher sleeps (tests/dispatcher/test_wakeup_gate.py)
+        # A dispatcher sleeps (the gate: tests/dispatcher/test_wakeup_gate.py).
+        with db.write(box.engine) as conn:
             conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=1))
 
         def sent(action) -> int:
-            """Notifications the action's commits sent: delivered in commit order,
-            so once our own marker arrives, every earlier one has."""
+            """Notifications the action's commits sent."""
             action()
-            with psycopg.connect(dsn, autocommit=True) as other:
-                other.execute("SELECT pg_notify(%s, 'marker')", [schema.NOTIFY_CHANNEL])
-            for count, note in enumerate(listener.notifies()):
-                if note.payload == "marker":
-                    return count
-            raise AssertionError("unreachable")
+            return notify.notifications(listener, postgres_url)
 
         assert sent(lambda: box.execute("shop", "small", "issue_refund", SMALL)) == 1
         assert sent(lambda: box.execute("shop", "small", "issue_refund", SMALL)) == 0

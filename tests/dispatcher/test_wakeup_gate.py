@@ -15,9 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -30,6 +28,7 @@ from outbox.delivery import wakeup
 from outbox.delivery.dispatcher import Dispatcher
 from tests.dispatcher.conftest import TEST_SETTINGS
 from tests.dispatcher.support import seed, statuses
+from tests.support import notify
 from tests.support.patience import PATIENCE_S
 
 pytestmark = pytest.mark.postgres
@@ -55,25 +54,6 @@ def _set_sleepers(engine: Engine, count: int) -> None:
         conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=count))
 
 
-def _listener(url: str) -> psycopg.Connection[Any]:
-    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    conn = psycopg.connect(dsn, autocommit=True)
-    conn.execute(f"LISTEN {schema.NOTIFY_CHANNEL}")
-    return conn
-
-
-def _notifications(listener: psycopg.Connection[Any], url: str) -> int:
-    """The NOTIFYs that arrived so far: delivered in commit order, so once our own
-    marker arrives, every one committed before it has."""
-    dsn = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(dsn, autocommit=True) as other:
-        other.execute("SELECT pg_notify(%s, 'marker')", [schema.NOTIFY_CHANNEL])
-    for count, note in enumerate(listener.notifies()):
-        if note.payload == "marker":
-            return count
-    raise AssertionError("unreachable")
-
-
 def _until(condition: Callable[[], bool], what: str) -> None:
     """Wait for a condition another thread brings about, bounded by count."""
     for _ in range(int(PATIENCE_S / 0.01)):
@@ -84,24 +64,24 @@ def _until(condition: Callable[[], bool], what: str) -> None:
 
 
 def test_the_trigger_notifies_only_while_a_dispatcher_is_counted_in(postgres_url: str, clock):
-    with Outbox(postgres_url, clock=clock) as box, _listener(postgres_url) as listener:
+    with Outbox(postgres_url, clock=clock) as box, notify.listener(postgres_url) as listener:
         box.create_tenant("acme")
         assert _sleepers(box.engine) == 0  # as migrated: nobody sleeps yet
         box.execute("acme", "op-1", TOOL, {"subject": "s"})
-        assert _notifications(listener, postgres_url) == 0
+        assert notify.notifications(listener, postgres_url) == 0
         _set_sleepers(box.engine, 2)
         box.execute("acme", "op-2", TOOL, {"subject": "s"})
-        assert _notifications(listener, postgres_url) == 1
+        assert notify.notifications(listener, postgres_url) == 1
         with db.write(box.engine) as conn:  # a missing row fails open: notify
             conn.execute(sa.delete(schema.dispatch_wakeup))
         box.execute("acme", "op-3", TOOL, {"subject": "s"})
-        assert _notifications(listener, postgres_url) == 1
+        assert notify.notifications(listener, postgres_url) == 1
 
 
 def test_counting_in_waits_for_a_create_that_saw_no_sleeper(postgres_url: str, clock):
     """The create read zero and will not notify; the count-in waits for its commit,
     so the dispatcher's look after counting in finds its row."""
-    with Outbox(postgres_url, clock=clock) as box, _listener(postgres_url) as listener:
+    with Outbox(postgres_url, clock=clock) as box, notify.listener(postgres_url) as listener:
         box.create_tenant("acme")
         box.tools.needs_transaction.add(TOOL)  # the create holds its transaction open
         inside, release = threading.Event(), threading.Event()
@@ -140,9 +120,9 @@ def test_counting_in_waits_for_a_create_that_saw_no_sleeper(postgres_url: str, c
         assert gate.counted and _sleepers(box.engine) == 1
         # The create committed before the count went up: the look after it sees the row.
         assert statuses(box.engine) == {"pending": 1}
-        assert _notifications(listener, postgres_url) == 0
+        assert notify.notifications(listener, postgres_url) == 0
         box.execute("acme", "op-2", TOOL, {"subject": "s"})  # after the count: notifies
-        assert _notifications(listener, postgres_url) == 1
+        assert notify.notifications(listener, postgres_url) == 1
         gate.count_out()
         assert _sleepers(box.engine) == 0
 
