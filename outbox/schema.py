@@ -71,8 +71,9 @@ def sqlite_time(value: datetime | None) -> str | None:
         if value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
         value = value.astimezone(UTC)
-    # The text SQLAlchemy's SQLite DateTime writes, at a third of strftime's cost.
-    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+    # The text SQLAlchemy's SQLite DateTime writes (``YYYY-MM-DD HH:MM:SS.ffffff``, 26
+    # characters), at a fifth of strftime's cost: the ISO text without its "+00:00".
+    return value.isoformat(" ", "microseconds")[:26]
 
 
 def _enum(enum: type[StrEnum], name: str, length: int = 32) -> sa.Enum:

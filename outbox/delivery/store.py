@@ -676,23 +676,6 @@ def finish_attempts(engine: Engine, finishes: Sequence[Finish]) -> Recorded:
     return Recorded(recorded=frozenset(held), late=ids - held)
 
 
-def _row_params(f: Finish) -> dict[str, Any]:
-    d = f.decision
-    return {
-        "id": f.effect_id,
-        "fence": f.fence,
-        "status": d.status.value,
-        "reason": d.reason.value,
-        "maybe_sent": d.maybe_sent,
-        "next_attempt_at": d.next_attempt_at if d.status is S.PENDING else None,
-        "provider_ref": f.provider_ref,
-        "last_error": f.error,
-        "finished_at": f.at if d.terminal else None,
-        "next_lookup_at": f.next_lookup_at if d.status is S.OUTCOME_UNKNOWN else None,
-        "updated_at": f.at,
-    }
-
-
 def _write_finishes(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
     if _is_pg(conn):
         return _write_finishes_pg(conn, finishes)
@@ -800,38 +783,17 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
     current = {r[0]: (r[1], r[2]) for r in db.driver_execute(conn, sql, ids).fetchall()}
     held = {f.effect_id for f in finishes if current.get(f.effect_id) == (f.fence, S.IN_FLIGHT)}
     # Straight to the driver's executemany: SQLAlchemy's per-row bind processing
-    # costs more than SQLite's update, and this is the hot path.
+    # costs more than SQLite's update, and this is the hot path. Each finish's time
+    # is converted once (``at``, ``updated_at``, the attempt's ``finished_at``).
     t = schema.sqlite_time
     rows = []
+    attempts = []
     for f in finishes:
-        if f.effect_id not in held:
-            continue
-        p = _row_params(f)
-        rows.append(
+        d = f.decision
+        at = t(f.at)
+        attempts.append(
             (
-                p["status"],
-                p["reason"],
-                p["maybe_sent"],
-                t(p["next_attempt_at"]),
-                p["provider_ref"],
-                p["last_error"],
-                t(p["finished_at"]),
-                t(p["next_lookup_at"]),
-                t(p["updated_at"]),
-                p["id"],
-                p["fence"],
-            )
-        )
-    if rows:
-        cursor = db.driver_execute(conn, _SQLITE_FINISH_ROW, rows, many=True)
-        if cursor.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
-            raise RuntimeError("a fenced update missed a row it had just seen under the lock")
-    db.driver_execute(
-        conn,
-        _SQLITE_FINISH_ATTEMPT,
-        [
-            (
-                t(f.at),
+                at,
                 f.outcome.value,
                 f.status_code,
                 f.error,
@@ -841,10 +803,29 @@ def _write_finishes_sqlite(conn: Connection, finishes: Sequence[Finish]) -> set[
                 f.attempt_no,
                 f.fence,
             )
-            for f in finishes
-        ],
-        many=True,
-    )
+        )
+        if f.effect_id not in held:
+            continue
+        rows.append(
+            (
+                d.status.value,
+                d.reason.value,
+                d.maybe_sent,
+                t(d.next_attempt_at) if d.status is S.PENDING else None,
+                f.provider_ref,
+                f.error,
+                at if d.terminal else None,
+                t(f.next_lookup_at) if d.status is S.OUTCOME_UNKNOWN else None,
+                at,
+                f.effect_id,
+                f.fence,
+            )
+        )
+    if rows:
+        cursor = db.driver_execute(conn, _SQLITE_FINISH_ROW, rows, many=True)
+        if cursor.rowcount != len(rows):  # pragma: no cover - the write lock forbids it
+            raise RuntimeError("a fenced update missed a row it had just seen under the lock")
+    db.driver_execute(conn, _SQLITE_FINISH_ATTEMPT, attempts, many=True)
     return held
 
 
