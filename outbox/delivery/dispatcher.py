@@ -708,16 +708,6 @@ class Dispatcher:
         """Feed the breaker and the counters; log what an operator should see."""
         name = effect.adapter
         breaker = self.breaker(name)
-        context = {
-            "tenant": effect.tenant,
-            "operation_id": effect.operation_id,
-            "effect_id": effect.id,
-            "attempt": effect.attempt_no,
-            "adapter": name,
-            "outcome": result.outcome.value,
-            "status_code": result.status_code,
-            "worker": self.worker_id,
-        }
         if result.lease_lapsed:
             pass  # says nothing about the provider
         elif result.outcome in _PROVIDER_FAILURES:
@@ -727,7 +717,7 @@ class Dispatcher:
                     "circuit breaker open: %s paused for %.1fs",
                     name,
                     breaker.cooldown.total_seconds(),
-                    extra=context,
+                    extra=self._context(effect, result),
                 )
         elif result.outcome is not AttemptOutcome.ADAPTER_ERROR:
             if effect.attempt_no > 1:
@@ -735,22 +725,41 @@ class Dispatcher:
                 self.budget(name).record_answered_retry(at)
             if breaker.record_success(at):
                 metrics.BREAKER_OPEN.labels(name).set(0)
-                logger.info("circuit breaker closed: %s answers again", name, extra=context)
+                logger.info(
+                    "circuit breaker closed: %s answers again",
+                    name,
+                    extra=self._context(effect, result),
+                )
         if decision.status is S.PENDING:
             metrics.RETRIES.labels(name).inc()
         if result.outcome is AttemptOutcome.ADAPTER_ERROR:
-            logger.warning("adapter error: %s", result.error, extra=context)
+            logger.warning("adapter error: %s", result.error, extra=self._context(effect, result))
         elif decision.status is S.OUTCOME_UNKNOWN:
-            logger.warning("outcome unknown: %s", decision.reason.value, extra=context)
-        else:
+            logger.warning(
+                "outcome unknown: %s", decision.reason.value, extra=self._context(effect, result)
+            )
+        elif logger.isEnabledFor(logging.INFO):  # its context costs more than a no-op send
             # One line per attempt, ids only: never the payload, never a credential.
             logger.info(
                 "attempt %d %s: effect %s",
                 effect.attempt_no,
                 result.outcome.value,
                 decision.status.value,
-                extra=context,
+                extra=self._context(effect, result),
             )
+
+    def _context(self, effect: store.Claimed, result: _Result) -> dict[str, object]:
+        """An attempt's log fields: ids only, never the payload, never a credential."""
+        return {
+            "tenant": effect.tenant,
+            "operation_id": effect.operation_id,
+            "effect_id": effect.id,
+            "attempt": effect.attempt_no,
+            "adapter": effect.adapter,
+            "outcome": result.outcome.value,
+            "status_code": result.status_code,
+            "worker": self.worker_id,
+        }
 
     def _record(self, finishes: list[store.Finish]) -> None:
         if not finishes:
