@@ -120,6 +120,10 @@ class Settings(BaseSettings):
     # before it claims again, so one slow provider does not hold up the others'
     # deliveries (docs/dispatcher.md, "A slow provider"). 0 turns this off.
     slow_send_after: Duration = timedelta(seconds=2)
+    # PostgreSQL: under a backlog, write a pass's results on a second thread while the
+    # next pass claims (docs/dispatcher.md, "Writing behind"). Off: each pass records
+    # before the next claims (better for many dispatchers sharing a few cores).
+    record_behind: bool = True
 
     # Reconciler.
     sweep_interval: Duration = timedelta(seconds=5)

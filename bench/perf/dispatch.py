@@ -1,6 +1,6 @@
 """Case 3: draining a pre-filled backlog with a no-op adapter.
 
-Outbox: ``Dispatcher.run_once`` in a loop, in 1 and 2 processes, with
+Outbox: ``Dispatcher.run(once=True)`` (``outbox dispatcher --once``), in 1 and 2 processes, with
 ``adapters.testing.NoopAdapter``: every claim still opens an attempt row per
 effect before the send, and every result is still recorded under its fence.
 Baseline: a raw claim loop on the same table and rows (claim 100 with
@@ -18,6 +18,7 @@ so the figure is the steady-state rate, not a tail.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -178,16 +179,19 @@ def dispatcher(
 
 
 def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
+    """``Dispatcher.run(once=True)`` (``outbox dispatcher --once``: pass after pass until
+    nothing is due), stopped at ``end_at`` as SIGTERM stops it (the pass in progress is
+    recorded before it returns)."""
     d = dispatcher(url)
     try:
         harness.wait_until(start_at)
         started = time.monotonic()
-        done = 0
-        while time.monotonic() < end_at:
-            handled = d.run_once()
-            if handled == 0:
-                break
-            done += handled
+        stop = threading.Timer(max(0.0, end_at - started), d.request_stop)
+        stop.start()
+        try:
+            done = d.run(once=True)
+        finally:
+            stop.cancel()
         return {"ops": done, "started": started, "ended": time.monotonic()}
     finally:
         d.close()

@@ -18,7 +18,11 @@ One pass (``run_once``):
 3. **Record** results in batches (``store.finish_attempts``), one transaction
    per batch of finished deliveries; each row's state is written only while its
    fence holds. ``policy.after_attempt`` decides the next state; ``retry`` says
-   when a retry is due (full jitter, ``Retry-After`` as a floor).
+   when a retry is due (full jitter, ``Retry-After`` as a floor). On PostgreSQL
+   ``run()`` writes a pass's last batch behind (a recorder thread) while the
+   next pass claims: the server writes one batch while this process works on
+   the next (under a backlog: a short pass records in line). At most one batch
+   is behind; its rows keep their leases until it commits, as while they are sent.
 
 ``run()`` loops over ``run_once``. APScheduler runs two jobs, one instance
 each, coalesced: the poll (wakes the loop every ``poll_interval``) and lease
@@ -162,6 +166,7 @@ class _Pass:
     buffer: list[store.Finish] = field(default_factory=list)
     withdrawn: list[_Task] = field(default_factory=list)
     oldest: float | None = None  # monotonic: when the oldest unrecorded result came in
+    behind: bool = False  # its last batch is being written by the recorder thread
 
 
 class Dispatcher:
@@ -209,6 +214,12 @@ class Dispatcher:
         # Passes whose slow sends are left to a collector thread (``run()`` only).
         self._detached: list[_Pass] = []
         self._collectors: list[threading.Thread] = []
+        # Write-behind (``run()`` on PostgreSQL): the pass's last batch, being written
+        # on the recorder thread while the loop claims again. SQLite's writes run in
+        # this process under the file's one write lock: there it would only move the wait.
+        self._write_behind = engine.dialect.name == "postgresql" and self.settings.record_behind
+        self._recorder = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-record")
+        self._recording: cf.Future[None] | None = None
         self._stop = threading.Event()
         self._stop_requested_at: float | None = None
         self._wake = wakeup.Waker()
@@ -328,10 +339,11 @@ class Dispatcher:
         """Claim one batch, deliver it, record the results. Returns the rows handled."""
         return self._run_pass(now, detach=False)
 
-    def _run_pass(self, now: datetime | None, *, detach: bool) -> int:
+    def _run_pass(self, now: datetime | None, *, detach: bool, behind: bool = False) -> int:
         """One pass. ``detach`` (the ``run()`` loop): once only slow sends are left, stop
         waiting for them (a collector thread records them) so the next claim can serve
-        the other adapters."""
+        the other adapters. ``behind``: the last batch of results is written by the
+        recorder thread (``_record_behind``) and the pass returns without waiting."""
         if self._stop.is_set():
             return 0
         # Read before the claim, so the lease surely lasts until this + lease.
@@ -356,7 +368,11 @@ class Dispatcher:
         handed_off = False
         try:
             faults.point("dispatch.after_attempt_commit")
-            handed_off = self._deliver_and_record(tasks, claim.now, fixed_now=now, detach=detach)
+            # Only under a backlog (a full claim) does a next claim follow at once: a
+            # short pass records in line, and the loop may then sleep.
+            handed_off = self._deliver_and_record(
+                tasks, claim.now, fixed_now=now, detach=detach, behind=behind and self._more_due
+            )
         finally:
             if not handed_off:
                 self._done_with(tasks)
@@ -381,9 +397,11 @@ class Dispatcher:
         fixed_now: datetime | None,
         *,
         detach: bool = False,
+        behind: bool = False,
     ) -> bool:
-        """Send and record ``tasks``. True when the pass stopped waiting for its slow sends
-        and a collector thread records them (``detach``); False when all is recorded."""
+        """Send and record ``tasks``. True when another thread finishes recording them: a
+        collector (the pass stopped waiting for its slow sends, ``detach``) or the
+        recorder (its last batch is written behind, ``behind``); False when all is recorded."""
         # At most ``concurrency`` runners take tasks from one queue and hand
         # results back on the pass's queue: one pool submission per runner rather
         # than one future per effect (profiled: the per-effect futures and waits
@@ -396,8 +414,8 @@ class Dispatcher:
         for _ in range(min(self.settings.concurrency + self._reserve, len(tasks))):
             self._pool.submit(self._runner)
         one = _Pass(tasks, results, claimed_at, fixed_now, set(tasks), time.monotonic())
-        if self._collect(one, detach=detach):
-            return False
+        if self._collect(one, detach=detach, behind=behind):
+            return one.behind
         # Only slow sends are left: a collector records them; the loop claims again,
         # leaving out the adapters whose share of the runners they fill.
         with self._in_flight_lock:
@@ -483,9 +501,10 @@ class Dispatcher:
             slow = self._slow_adapters(now)
         return all(task.effect.adapter in slow for task in one.waiting)
 
-    def _collect(self, one: _Pass, *, detach: bool) -> bool:
+    def _collect(self, one: _Pass, *, detach: bool, behind: bool = False) -> bool:
         """Wait for the pass's results and record them in batches. True when done; False
-        when ``detach`` and only slow sends are left (the pass's state is kept in ``one``)."""
+        when ``detach`` and only slow sends are left (the pass's state is kept in ``one``).
+        ``behind``: the last batch, when nothing was withdrawn, goes to the recorder."""
 
         def at(task: _Task) -> datetime:
             if one.fixed_now is not None:
@@ -518,7 +537,11 @@ class Dispatcher:
                 or len(one.buffer) >= self.flush_size
                 or (one.oldest is not None and time.monotonic() - one.oldest >= self.flush_after)
             ):
-                self._record(one.buffer)
+                if behind and not one.waiting and not one.withdrawn:
+                    self._record_behind(one.buffer, one.tasks)
+                    one.behind = True
+                else:
+                    self._record(one.buffer)
                 one.buffer, one.oldest = [], None
             if one.waiting and self._grace_over():
                 self._record(one.buffer)
@@ -772,6 +795,32 @@ class Dispatcher:
                 extra={"count": len(recorded.late), "worker": self.worker_id},
             )
 
+    def _record_behind(self, finishes: list[store.Finish], tasks: list[_Task]) -> None:
+        """Give a pass's last batch to the recorder thread and return at once.
+
+        At most one batch is behind: this first waits for the one before. Until its
+        batch commits, a pass's rows stay in flight under leases this worker renews:
+        should the process die meanwhile, they are settled when those leases end,
+        as rows whose results were never written.
+        """
+        self._settle_recording()
+        self._recording = self._recorder.submit(self._write_behind_batch, finishes, tasks)
+
+    def _write_behind_batch(self, finishes: list[store.Finish], tasks: list[_Task]) -> None:
+        """The recorder thread: one pass's last batch."""
+        try:
+            self._record(finishes)
+        except Exception:  # the leases protect the rows, as after a failed pass
+            logger.exception("recording results failed", extra={"worker": self.worker_id})
+        finally:
+            self._done_with(tasks)
+
+    def _settle_recording(self) -> None:
+        """Wait for the batch being written behind, if any (a crash in it is raised here)."""
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.result()
+
     def _release(
         self,
         running: list[_Task],
@@ -913,7 +962,7 @@ class Dispatcher:
                 if listener is not None:
                     listener.drain()  # this pass covers the rows they announced
                 try:
-                    count = self._run_pass(None, detach=not once)
+                    count = self._run_pass(None, detach=not once, behind=self._write_behind)
                     failures = 0
                 except Exception:
                     # The database blinked (or a bug hit one pass): keep the
@@ -930,6 +979,11 @@ class Dispatcher:
                 # While LISTEN is up such a row's NOTIFY is waiting on the socket,
                 # so a short pass waits for it instead of running an empty select.
                 if count and (self._more_due or not self._listening.is_set()):
+                    continue
+                if self._recording is not None:
+                    # Before sleeping (or ending ``once``): the batch written behind may
+                    # have let rows go (a group's next row, a retry due now). Look again.
+                    self._settle_recording()
                     continue
                 if once:
                     break
@@ -953,9 +1007,10 @@ class Dispatcher:
                 self._stop_requested_at = time.monotonic()  # the grace counts from here
             self._stop.set()
             # Slow sends still out finish (or are released) within the shutdown grace;
-            # their leases are renewed until then.
+            # their leases are renewed until then. The batch written behind commits.
             for collector in list(self._collectors):
                 collector.join()
+            self._settle_recording()
             scheduler.shutdown(wait=False)
             if gate is not None:
                 gate.count_out()
@@ -968,6 +1023,7 @@ class Dispatcher:
         """Stop the delivery threads. Deliveries still running are not waited for."""
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._recorder.shutdown(wait=False)
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:

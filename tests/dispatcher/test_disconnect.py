@@ -144,9 +144,9 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
     dispatcher._listening = listening
     real_pass = dispatcher._run_pass
 
-    def counting(now, *, detach):  # type: ignore[no-untyped-def]
+    def counting(now, **how):  # type: ignore[no-untyped-def]
         passes.append(1)
-        return real_pass(now, detach=detach)
+        return real_pass(now, **how)
 
     dispatcher._run_pass = counting  # type: ignore[method-assign]
     with _looping(engine, dispatcher) as (other, _thread):

@@ -644,3 +644,28 @@ def test_with_listen_up_a_full_pass_goes_again_at_once(engine, backend, make_dis
     finally:
         dispatcher.request_stop()
         thread.join(10)
+
+
+@pytest.mark.parametrize("record_behind", [True, False])
+def test_a_full_pass_is_written_behind_only_on_postgres_and_when_asked(
+    engine, backend, make_dispatcher, monkeypatch, record_behind
+) -> None:
+    """Under a backlog ``run()`` hands a full pass's results to the recorder thread on
+    PostgreSQL (``OUTBOX_RECORD_BEHIND``, on by default); SQLite, or the setting off,
+    records on the loop's own thread. Either way every row ends recorded."""
+    writers: list[str] = []
+    real_finish = store.finish_attempts
+
+    def finish_attempts(*args, **kwargs):  # type: ignore[no-untyped-def]
+        writers.append(threading.current_thread().name)
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish_attempts", finish_attempts)
+    seed(engine, 6, now=schema.utcnow())
+    step = DeliveryResult.delivered("ref", status_code=201)
+    dispatcher = make_dispatcher(fake(*[step] * 6), claim_batch_size=3, record_behind=record_behind)
+    loop = threading.current_thread().name
+    assert dispatcher.run(once=True) == 6
+    behind = backend == "postgres" and record_behind
+    assert writers == (["outbox-record_0"] * 2 if behind else [loop] * 2)
+    assert statuses(engine) == {EffectStatus.SUCCEEDED: 6}
