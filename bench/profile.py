@@ -3,7 +3,7 @@ py-spy as a flame graph (``docs/images/profile-*.svg``).
 
 ``python -m bench.profile dispatch|create [--db postgres|sqlite] [--seconds S]``
 
-- ``dispatch``: ``Dispatcher.run_once()`` in a loop over a generated backlog
+- ``dispatch``: ``Dispatcher.run(once=True)`` over a generated backlog
   (no-op adapter), as case 3 of ``make bench`` measures it;
 - ``create``: ``Outbox.execute`` of ``create_support_task`` in a loop, one new
   key each, as case 1 measures it.
