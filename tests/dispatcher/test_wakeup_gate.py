@@ -13,8 +13,7 @@ sleeps, and is then woken by the next create.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -29,7 +28,7 @@ from outbox.delivery.dispatcher import Dispatcher
 from tests.dispatcher.conftest import TEST_SETTINGS
 from tests.dispatcher.support import seed, statuses
 from tests.support import notify
-from tests.support.patience import PATIENCE_S
+from tests.support.patience import PATIENCE_S, until
 
 pytestmark = pytest.mark.postgres
 
@@ -52,15 +51,6 @@ def _sleepers(engine: Engine) -> int:
 def _set_sleepers(engine: Engine, count: int) -> None:
     with db.write(engine) as conn:
         conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=count))
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    """Wait for a condition another thread brings about, bounded by count."""
-    for _ in range(int(PATIENCE_S / 0.01)):
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_the_trigger_notifies_only_while_a_dispatcher_is_counted_in(postgres_url: str, clock):
@@ -111,7 +101,7 @@ def test_counting_in_waits_for_a_create_that_saw_no_sleeper(postgres_url: str, c
                         ).scalar_one()
                     )
 
-            _until(waiting, "the count-in waits for the create's lock")
+            until(waiting, "the count-in waits for the create's lock")
             assert counting.is_alive() and not gate.counted
         finally:
             release.set()
@@ -164,17 +154,17 @@ def test_a_dispatcher_counts_out_under_a_backlog_and_in_again_before_it_sleeps(
     thread.start()
     try:
         assert ready.wait(PATIENCE_S)
-        _until(lambda: _sleepers(pg_engine) == 1, "the idle dispatcher counts itself in")
+        until(lambda: _sleepers(pg_engine) == 1, "the idle dispatcher counts itself in")
         seed(pg_engine, 1, now=schema.utcnow(), prefix="one")
-        _until(lambda: len(delivered) == 1, "one create wakes the sleeping dispatcher")
+        until(lambda: len(delivered) == 1, "one create wakes the sleeping dispatcher")
         # A backlog of 40 in one commit: the passes come back full, the dispatcher
         # counts itself out, drains it, and counts in again before it sleeps.
         seed(pg_engine, 40, now=schema.utcnow(), prefix="many")
-        _until(lambda: len(delivered) == 41, "the backlog drains")
-        _until(lambda: _sleepers(pg_engine) == 1, "counted in again once idle")
+        until(lambda: len(delivered) == 41, "the backlog drains")
+        until(lambda: _sleepers(pg_engine) == 1, "counted in again once idle")
         assert "out" in calls and calls[-1] == "in"
         seed(pg_engine, 1, now=schema.utcnow(), prefix="last")
-        _until(lambda: len(delivered) == 42, "the next create wakes it again")
+        until(lambda: len(delivered) == 42, "the next create wakes it again")
     finally:
         dispatcher.request_stop()
         thread.join(PATIENCE_S)

@@ -11,6 +11,7 @@ between a send and its record does.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -28,7 +29,7 @@ from outbox.delivery.dispatcher import Dispatcher
 from outbox.states import EffectStatus as S
 from tests.dispatcher.conftest import TEST_SETTINGS
 from tests.dispatcher.support import attempts, rows, seed, statuses
-from tests.support.patience import PATIENCE_S
+from tests.support.patience import PATIENCE_S, until
 
 pytestmark = pytest.mark.postgres
 
@@ -103,14 +104,6 @@ class _Held:
         monkeypatch.setattr(store, "claim_due", claim_due)
         monkeypatch.setattr(store, "finish_attempts", finish_attempts)
 
-    def wait_claims(self, count: int) -> bool:
-        for _ in range(int(PATIENCE_S / 0.01)):
-            with self._lock:
-                if self.claims >= count:
-                    return True
-            threading.Event().wait(0.01)
-        return False
-
 
 def _start(dispatcher: Dispatcher, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
     out: list[Any] = []
@@ -126,21 +119,30 @@ def _start(dispatcher: Dispatcher, **kwargs: Any) -> tuple[threading.Thread, lis
     return thread, out
 
 
-def test_the_next_claim_runs_while_the_batch_before_is_written(pg_engine, monkeypatch) -> None:
-    seed(pg_engine, BATCH * 4, now=schema.utcnow())
-    held = _Held(monkeypatch)
-    dispatcher = _dispatcher(pg_engine)
-    thread, out = _start(dispatcher, once=True)
+@contextlib.contextmanager
+def _running(
+    dispatcher: Dispatcher, held: _Held, **kwargs: Any
+) -> Iterator[tuple[threading.Thread, list[Any]]]:
+    """``run(**kwargs)`` on a thread while the first record is held; then let it go."""
+    thread, out = _start(dispatcher, **kwargs)
     try:
         assert held.holding.wait(PATIENCE_S)
-        # The first batch is being written; the loop has claimed the second already.
-        assert held.wait_claims(2), "the loop waited for the record before claiming again"
-        # ... and leases are renewed for the rows behind as for rows being sent.
-        assert dispatcher.renew_leases() >= BATCH
+        yield thread, out
     finally:
         held.release.set()
         thread.join(PATIENCE_S)
         dispatcher.close()
+
+
+def test_the_next_claim_runs_while_the_batch_before_is_written(pg_engine, monkeypatch) -> None:
+    seed(pg_engine, BATCH * 4, now=schema.utcnow())
+    held = _Held(monkeypatch)
+    dispatcher = _dispatcher(pg_engine)
+    with _running(dispatcher, held, once=True) as (_, out):
+        # The first batch is being written; the loop has claimed the second already.
+        until(lambda: held.claims >= 2, "the loop claims again before the record is in")
+        # ... and leases are renewed for the rows behind as for rows being sent.
+        assert dispatcher.renew_leases() >= BATCH
     assert out == [BATCH * 4]
     assert statuses(pg_engine) == {S.SUCCEEDED: BATCH * 4}
     assert held.bound_broken == [] and held.most_running == 1
@@ -153,17 +155,11 @@ def test_at_most_one_batch_is_behind(pg_engine, monkeypatch) -> None:
     seed(pg_engine, BATCH * 4, now=schema.utcnow())
     held = _Held(monkeypatch)
     dispatcher = _dispatcher(pg_engine)
-    thread, _ = _start(dispatcher, once=True)
-    try:
-        assert held.holding.wait(PATIENCE_S)
-        assert held.wait_claims(2)
+    with _running(dispatcher, held, once=True):
+        until(lambda: held.claims >= 2, "the second pass claims")
         # Bounded by count, not time: a third claim now would break the bound,
         # and the check inside claim_due records it if it ever happens.
         assert held.claims == 2
-    finally:
-        held.release.set()
-        thread.join(PATIENCE_S)
-        dispatcher.close()
     assert held.bound_broken == []
     assert statuses(pg_engine) == {S.SUCCEEDED: BATCH * 4}
 
@@ -172,16 +168,10 @@ def test_run_returns_only_after_the_batch_behind_is_written(pg_engine, monkeypat
     seed(pg_engine, BATCH * 4, now=schema.utcnow())
     held = _Held(monkeypatch)
     dispatcher = _dispatcher(pg_engine)
-    thread, out = _start(dispatcher)
-    try:
-        assert held.holding.wait(PATIENCE_S)
+    with _running(dispatcher, held) as (thread, out):
         dispatcher.request_stop()
         thread.join(0.2)
         assert thread.is_alive(), "run() returned with a batch not yet written"
-    finally:
-        held.release.set()
-        thread.join(PATIENCE_S)
-        dispatcher.close()
     assert not thread.is_alive() and isinstance(out[0], int)
     # Every row claimed was recorded before run() returned: none is left in flight.
     assert S.IN_FLIGHT not in statuses(pg_engine)

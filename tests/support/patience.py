@@ -11,4 +11,16 @@ longer than the patience, not with a guess at the machine's speed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 PATIENCE_S = 120.0
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for a condition another thread brings about, bounded by count."""
+    for _ in range(int(PATIENCE_S / 0.01)):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
