@@ -1,0 +1,145 @@
+"""Recording a batch's results costs the same whatever the tables hold (PostgreSQL).
+
+The finish statement (``store._PG_FINISH``) updates each outbox row and its
+attempt row. Joined to the batch by value, the planner hashed the whole
+attempts table when its statistics were young (every new database, the first
+minutes of a drain) and read every ``in_flight`` row through the partial lease
+index, so a drain slowed as it went. These hold the plan to primary-key
+lookups on a table with a history and other workers' leases, never analyzed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from outbox import db, schema, settings
+from outbox.delivery import policy, store
+from outbox.states import AttemptOutcome, EffectStatus, Reason
+from tests.dispatcher.support import attempts, rows, seed
+
+S = EffectStatus
+LEASE = timedelta(seconds=60)
+HISTORY = 5_000  # finished effects, each with its attempt row
+LEASED = 1_000  # effects in flight at another worker
+
+
+@pytest.fixture
+def engine(postgres_url: str) -> Iterator[Engine]:
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    yield engine
+    engine.dispose()
+
+
+def _claim(engine: Engine, owner: str, limit: int) -> list[store.Claimed]:
+    params = store.ClaimParams(
+        owner=owner, lease=LEASE, limit=limit, unsettled_adapters=frozenset()
+    )
+    return list(store.claim_due(engine, params, lambda _candidate, _now: True).effects)
+
+
+_OPERATIONS = """
+INSERT INTO operations (tenant, operation_id, tool, payload_version, args_digest, receipt,
+    status_code, created_at, expires_at)
+SELECT 'acme', %(prefix)s || g, 'create_support_task', 1, repeat('0', 64), '{}', 201,
+    now(), now() + interval '30 days'
+FROM generate_series(1, %(n)s) AS g
+"""
+# Each with its attempt row: finished (``history``) or open, leased to a slow worker.
+_EFFECTS = """
+WITH effects AS (
+    INSERT INTO outbox (tenant, operation_id, effect, adapter, payload, effect_key, status,
+        reason, attempts, maybe_sent, next_attempt_at, deadline_at, fence, lease_owner,
+        lease_expires_at, provider_ref, created_at, updated_at, finished_at)
+    SELECT 'acme', %(prefix)s || g, 'open_ticket', 'helpdesk', '{}', %(prefix)s || '-key-' || g,
+        %(status)s, %(reason)s, 1, true, now(), now() + interval '1 day', 1, %(owner)s,
+        CASE WHEN %(owner)s::varchar IS NOT NULL THEN now() + interval '1 hour' END, %(ref)s,
+        now(), now(), CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END
+    FROM generate_series(1, %(n)s) AS g
+    RETURNING id, effect_key
+)
+INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,
+    finished_at, outcome, provider_ref, late)
+SELECT id, 1, 'gone', 1, effect_key, now(),
+    CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END,
+    CASE WHEN %(ref)s::varchar IS NOT NULL THEN 'delivered' END, %(ref)s, false
+FROM effects
+"""
+
+
+def _history(engine: Engine) -> None:
+    """Finished effects with their attempt rows, and others leased to a slow worker."""
+    seed(engine, 1, now=schema.utcnow(), prefix="first")  # the tenant
+    with db.write(engine) as conn:
+        for prefix, n, status, reason, owner, ref in [
+            ("old", HISTORY, "succeeded", "delivered", None, "r"),
+            ("slow", LEASED, "in_flight", "claimed", "slow-worker", None),
+        ]:
+            conn.exec_driver_sql(_OPERATIONS, {"prefix": prefix, "n": n})
+            conn.exec_driver_sql(
+                _EFFECTS,
+                {"prefix": prefix, "n": n, "status": status, "reason": reason,
+                 "owner": owner, "ref": ref},
+            )  # fmt: skip
+
+
+def _delivered(c: store.Claimed) -> store.Finish:
+    at = schema.utcnow()
+    decision = policy.Decision(S.SUCCEEDED, Reason.DELIVERED, True)
+    return store.Finish(
+        c.id, c.fence, c.attempt_no, at, AttemptOutcome.DELIVERED, decision, 200,
+        provider_ref=f"ref-{c.id}", attempt_provider_ref=f"ref-{c.id}",
+    )  # fmt: skip
+
+
+def _scans(node: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Every scan of a table or an index in a plan: (node type, relation, index), '' if none."""
+    found = []
+    if "Scan" in node["Node Type"] and ("Relation Name" in node or "Index Name" in node):
+        found.append((node["Node Type"], node.get("Relation Name", ""), node.get("Index Name", "")))
+    for child in node.get("Plans", []):
+        found += _scans(child)
+    return found
+
+
+def test_a_finish_looks_its_rows_up_by_key_however_big_the_tables(engine) -> None:
+    _history(engine)
+    seed(engine, 100, now=schema.utcnow() - timedelta(seconds=1), prefix="new")
+    claimed = _claim(engine, "w1", 100)
+    assert len(claimed) == 100 and all(c.operation_id.startswith("new") for c in claimed)
+    finishes = [_delivered(c) for c in claimed]
+
+    with db.write(engine) as conn:
+        (plan,) = conn.exec_driver_sql(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store._PG_FINISH,
+            {"batch": store._pg_batch(finishes)},
+        ).one()
+    top = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+    scans = _scans(top)
+    # Neither table is read beyond the batch's rows: no sequential scan, and not
+    # the lease index, which holds every row in flight (the slow worker's too).
+    assert not [s for s in scans if s[0] == "Seq Scan"], scans
+    assert not [s for s in scans if s[2] == "ix_outbox_leased"], scans
+    assert {s[1] for s in scans} >= {"outbox", "attempts"}, scans
+    # What the database read for 100 results: a few pages per row, not the tables.
+    assert top["Shared Hit Blocks"] + top.get("Shared Read Blocks", 0) < 40 * 100
+
+    # And the statement did its work: every row succeeded, every attempt finished.
+    after = rows(engine)
+    for c in claimed:
+        r = after[c.id]
+        assert (r.status, r.provider_ref, r.lease_owner) == (S.SUCCEEDED, f"ref-{c.id}", None)
+        (a,) = attempts(engine, c.id)
+        assert (a.outcome, a.late, a.provider_ref) == (
+            AttemptOutcome.DELIVERED,
+            False,
+            f"ref-{c.id}",
+        )
+    # The slow worker's leases are untouched.
+    leased = [r for r in after.values() if r.status == S.IN_FLIGHT]
+    assert len(leased) == LEASED and {r.lease_owner for r in leased} == {"slow-worker"}
