@@ -98,6 +98,82 @@ def seed(
         return list(ids)
 
 
+# PostgreSQL only: ``n`` effects in three statements (``seed`` takes seconds for
+# thousands), for the tests of the statements' plans on tables of some size.
+_BULK_OPERATIONS = """
+INSERT INTO operations (tenant, operation_id, tool, payload_version, args_digest, receipt,
+    status_code, created_at, expires_at)
+SELECT %(tenant)s, %(prefix)s || '-' || g, 'create_support_task', 1, repeat('0', 64), '{}',
+    201, now(), now() + interval '30 days'
+FROM generate_series(1, %(n)s) AS g
+"""
+_BULK_EFFECTS = """
+INSERT INTO outbox (tenant, operation_id, effect, adapter, payload, effect_key, status,
+    reason, attempts, maybe_sent, next_attempt_at, deadline_at, fence, lease_owner,
+    lease_expires_at, provider_ref, created_at, updated_at, finished_at)
+SELECT %(tenant)s, %(prefix)s || '-' || g, 'open_ticket', 'helpdesk', '{}',
+    %(prefix)s || '-key-' || g, %(status)s, %(reason)s, %(tried)s::int, %(tried)s,
+    now() - interval '1 second', now() + interval '1 day', %(tried)s::int, %(owner)s,
+    CASE WHEN %(owner)s::varchar IS NOT NULL THEN now() + interval '1 hour' END,
+    %(ref)s, now(), now(), CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END
+FROM generate_series(1, %(n)s) AS g
+"""
+# Each tried effect's attempt row: finished where the effect succeeded, else open.
+_BULK_ATTEMPTS = """
+INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,
+    finished_at, outcome, provider_ref, late)
+SELECT id, 1, COALESCE(%(owner)s, 'gone'), 1, effect_key, now(),
+    CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END,
+    CASE WHEN %(ref)s::varchar IS NOT NULL THEN 'delivered' END, %(ref)s, false
+FROM outbox WHERE tenant = %(tenant)s AND operation_id LIKE %(prefix)s || '-%%'
+"""
+
+
+def bulk(
+    engine: Engine,
+    n: int,
+    *,
+    prefix: str,
+    leased_to: str | None = None,
+    delivered: bool = False,
+    analyse: bool = False,
+) -> None:
+    """``n`` effects due now (pending, never tried), or leased to a worker (in flight,
+    attempt open), or delivered (succeeded, attempt finished); PostgreSQL only."""
+    status, reason = (
+        ("in_flight", "claimed")
+        if leased_to
+        else ("succeeded", "delivered")
+        if delivered
+        else ("pending", "created")
+    )
+    tried = status != "pending"
+    params = {
+        "tenant": TENANT,
+        "prefix": prefix,
+        "n": n,
+        "status": status,
+        "reason": reason,
+        "tried": tried,
+        "owner": leased_to,
+        "ref": "r" if delivered else None,
+    }
+    with db.write(engine) as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO tenants (id, created_at) VALUES (%(tenant)s, now())"
+            " ON CONFLICT (id) DO NOTHING",
+            params,
+        )
+        conn.exec_driver_sql(_BULK_OPERATIONS, params)
+        conn.exec_driver_sql(_BULK_EFFECTS, params)
+        if tried:
+            conn.exec_driver_sql(_BULK_ATTEMPTS, params)
+    if analyse:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE outbox")
+            conn.exec_driver_sql("ANALYZE attempts")
+
+
 def rows(engine: Engine) -> dict[int, Any]:
     with db.read(engine) as conn:
         return {r.id: r for r in conn.execute(sa.select(schema.outbox).order_by("id"))}

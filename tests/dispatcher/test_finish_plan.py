@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from outbox import db, schema, settings
 from outbox.delivery import policy, store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
-from tests.dispatcher.support import attempts, rows, seed
+from tests.dispatcher.support import attempts, bulk, rows, seed
 
 S = EffectStatus
 LEASE = timedelta(seconds=60)
@@ -43,49 +43,10 @@ def _claim(engine: Engine, owner: str, limit: int) -> list[store.Claimed]:
     return list(store.claim_due(engine, params, lambda _candidate, _now: True).effects)
 
 
-_OPERATIONS = """
-INSERT INTO operations (tenant, operation_id, tool, payload_version, args_digest, receipt,
-    status_code, created_at, expires_at)
-SELECT 'acme', %(prefix)s || g, 'create_support_task', 1, repeat('0', 64), '{}', 201,
-    now(), now() + interval '30 days'
-FROM generate_series(1, %(n)s) AS g
-"""
-# Each with its attempt row: finished (``history``) or open, leased to a slow worker.
-_EFFECTS = """
-WITH effects AS (
-    INSERT INTO outbox (tenant, operation_id, effect, adapter, payload, effect_key, status,
-        reason, attempts, maybe_sent, next_attempt_at, deadline_at, fence, lease_owner,
-        lease_expires_at, provider_ref, created_at, updated_at, finished_at)
-    SELECT 'acme', %(prefix)s || g, 'open_ticket', 'helpdesk', '{}', %(prefix)s || '-key-' || g,
-        %(status)s, %(reason)s, 1, true, now(), now() + interval '1 day', 1, %(owner)s,
-        CASE WHEN %(owner)s::varchar IS NOT NULL THEN now() + interval '1 hour' END, %(ref)s,
-        now(), now(), CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END
-    FROM generate_series(1, %(n)s) AS g
-    RETURNING id, effect_key
-)
-INSERT INTO attempts (effect_id, attempt_no, worker, fence, effect_key, started_at,
-    finished_at, outcome, provider_ref, late)
-SELECT id, 1, 'gone', 1, effect_key, now(),
-    CASE WHEN %(ref)s::varchar IS NOT NULL THEN now() END,
-    CASE WHEN %(ref)s::varchar IS NOT NULL THEN 'delivered' END, %(ref)s, false
-FROM effects
-"""
-
-
 def _history(engine: Engine) -> None:
     """Finished effects with their attempt rows, and others leased to a slow worker."""
-    seed(engine, 1, now=schema.utcnow(), prefix="first")  # the tenant
-    with db.write(engine) as conn:
-        for prefix, n, status, reason, owner, ref in [
-            ("old", HISTORY, "succeeded", "delivered", None, "r"),
-            ("slow", LEASED, "in_flight", "claimed", "slow-worker", None),
-        ]:
-            conn.exec_driver_sql(_OPERATIONS, {"prefix": prefix, "n": n})
-            conn.exec_driver_sql(
-                _EFFECTS,
-                {"prefix": prefix, "n": n, "status": status, "reason": reason,
-                 "owner": owner, "ref": ref},
-            )  # fmt: skip
+    bulk(engine, HISTORY, prefix="old", delivered=True)
+    bulk(engine, LEASED, prefix="slow", leased_to="slow-worker")
 
 
 def _delivered(c: store.Claimed) -> store.Finish:
