@@ -415,11 +415,15 @@ def insert_row(
     return cursor.fetchone()[0] if returning is not None else None
 
 
-def driver_execute(conn: Driver, sql: str, params: Any, *, many: bool = False) -> Any:
+def driver_execute(
+    conn: Driver, sql: str, params: Any, *, many: bool = False, prepare: bool | None = None
+) -> Any:
     """Run ``sql`` on the connection's driver cursor; return the cursor.
 
     Errors come out as SQLAlchemy's (``exc.DBAPIError`` and its kinds), and a
     disconnect invalidates the connection, as ``Connection.execute`` would do.
+    ``prepare`` (psycopg only): False plans the statement afresh on every call
+    instead of letting the driver prepare it once it is frequent (None).
     """
     dbapi_connection = conn.connection.dbapi_connection
     assert dbapi_connection is not None
@@ -427,6 +431,9 @@ def driver_execute(conn: Driver, sql: str, params: Any, *, many: bool = False) -
     try:
         if many:
             cursor.executemany(sql, params)
+        elif prepare is not None:
+            psycopg_cursor: Any = cursor  # DB-API's execute has no ``prepare``; psycopg's has
+            psycopg_cursor.execute(sql, params, prepare=prepare)
         else:
             cursor.execute(sql, params)
     except conn.dialect.loaded_dbapi.Error as error:

@@ -104,3 +104,56 @@ def test_a_finish_looks_its_rows_up_by_key_however_big_the_tables(engine) -> Non
     # The slow worker's leases are untouched.
     leased = [r for r in after.values() if r.status == S.IN_FLIGHT]
     assert len(leased) == LEASED and {r.lease_owner for r in leased} == {"slow-worker"}
+
+
+def _plans_of_finishes(engine: Engine) -> list[dict[str, Any]]:
+    """From now on, the plan of every finish statement run on the engine's one
+    connection, as PostgreSQL's ``auto_explain`` reports it to the client."""
+    plans: list[dict[str, Any]] = []
+
+    def on_notice(diag: Any) -> None:
+        text = diag.message_primary or ""
+        if "plan:" in text and "jsonb_to_recordset" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
+
+    with engine.connect() as conn:
+        conn.connection.driver_connection.add_notice_handler(on_notice)  # type: ignore[union-attr]
+        for sql in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_format = 'json'",
+            "SET client_min_messages = 'log'",
+        ):
+            conn.exec_driver_sql(sql)
+        conn.commit()
+    return plans
+
+
+def test_a_finish_first_run_on_a_small_table_still_reads_by_key_once_it_has_grown(
+    postgres_url: str,
+) -> None:
+    # One connection for everything: what a dispatcher's connection sees over a drain.
+    engine = db.create_engine(settings.load(), url=postgres_url, pool_size=1, max_overflow=0)
+    try:
+        # A new database: the first batches finish while attempts holds a few rows.
+        # A statement the driver prepares (after 5 runs) gets PostgreSQL's generic
+        # plan after 5 more, priced on the tables as they were then.
+        for round_no in range(15):
+            seed(engine, 1, now=schema.utcnow() - timedelta(seconds=1), prefix=f"early{round_no}")
+            early = _claim(engine, "w1", 1)
+            assert store.finish_attempts(engine, [_delivered(c) for c in early]).recorded
+        # The drain goes on: thousands of attempt rows later, not yet analysed.
+        bulk(engine, 20_000, prefix="old", delivered=True)
+        seed(engine, 100, now=schema.utcnow() - timedelta(seconds=1), prefix="new")
+        claimed = _claim(engine, "w1", 100)
+        assert len(claimed) == 100
+        plans = _plans_of_finishes(engine)
+        recorded = store.finish_attempts(engine, [_delivered(c) for c in claimed])
+
+        assert recorded.recorded == {c.id for c in claimed} and not recorded.late
+        (plan,) = plans
+        scans = _scans(plan)
+        assert {s[1] for s in scans} >= {"outbox", "attempts"}, scans
+        assert not [s for s in scans if s[0] == "Seq Scan"], scans
+    finally:
+        engine.dispose()
