@@ -685,38 +685,47 @@ class Dispatcher:
     def _finish(self, task: _Task, result: _Result, at: datetime) -> store.Finish:
         effect = task.effect
         caps = task.adapter.capabilities if task.adapter is not None else None
-        honours = caps is not None and caps.honours_idempotency_keys
-        retry_at = self.backoff.retry_at(
-            now=at, attempts=effect.attempt_no, retry_after=result.retry_after
-        )
-        key_expires_at = policy.key_expires_at(
-            effect.key_first_sent_at, caps.key_retention_seconds if caps is not None else None
-        )
-        decision = policy.after_attempt(
-            outcome=result.outcome,
-            may_have_happened=result.may_have_happened,
-            honours_keys=honours,
-            maybe_sent_before=effect.maybe_sent,
-            attempts=effect.attempt_no,
-            max_attempts=self.settings.max_attempts,
-            retry_at=retry_at,
-            deadline_at=effect.deadline_at,
-            key_expires_at=key_expires_at,
-        )
         provider_ref, error = result.provider_ref, result.error
-        if (
-            decision.status is S.OUTCOME_UNKNOWN
-            and honours
-            and not policy.key_window_open(retry_at, key_expires_at)
-        ):
-            error = (
-                f"{error}; {policy.KEY_RETENTION_PASSED}" if error else policy.KEY_RETENTION_PASSED
+        if result.outcome is AttemptOutcome.DELIVERED:
+            # after_attempt's answer to every delivery: no retry to time, no key window.
+            decision = policy.DELIVERED
+        else:
+            honours = caps is not None and caps.honours_idempotency_keys
+            retry_at = self.backoff.retry_at(
+                now=at, attempts=effect.attempt_no, retry_after=result.retry_after
             )
+            key_expires_at = policy.key_expires_at(
+                effect.key_first_sent_at, caps.key_retention_seconds if caps is not None else None
+            )
+            decision = policy.after_attempt(
+                outcome=result.outcome,
+                may_have_happened=result.may_have_happened,
+                honours_keys=honours,
+                maybe_sent_before=effect.maybe_sent,
+                attempts=effect.attempt_no,
+                max_attempts=self.settings.max_attempts,
+                retry_at=retry_at,
+                deadline_at=effect.deadline_at,
+                key_expires_at=key_expires_at,
+            )
+            if (
+                decision.status is S.OUTCOME_UNKNOWN
+                and honours
+                and not policy.key_window_open(retry_at, key_expires_at)
+            ):
+                error = (
+                    f"{error}; {policy.KEY_RETENTION_PASSED}"
+                    if error
+                    else policy.KEY_RETENTION_PASSED
+                )
         if decision.status is S.SUCCEEDED and not provider_ref:
             # The schema needs a reference for a success; say where this one came from.
             provider_ref = store.NO_REFERENCE_MARKER.format(status_code=result.status_code)
             error = f"the provider confirmed without a reference; recorded {provider_ref!r}"
-        settle = caps.lookup_settle_seconds if caps is not None else 0.0
+        next_lookup_at = None
+        if decision.status is S.OUTCOME_UNKNOWN:
+            settle = caps.lookup_settle_seconds if caps is not None else 0.0
+            next_lookup_at = at + timedelta(seconds=settle)
         self._observe(effect, result, decision, at)
         return store.Finish(
             effect_id=effect.id,
@@ -729,7 +738,7 @@ class Dispatcher:
             error=error,
             provider_ref=provider_ref,
             attempt_provider_ref=result.provider_ref,
-            next_lookup_at=at + timedelta(seconds=settle),
+            next_lookup_at=next_lookup_at,
         )
 
     def _observe(

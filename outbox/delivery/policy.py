@@ -70,6 +70,10 @@ class Decision:
         return self.status in (EffectStatus.SUCCEEDED, EffectStatus.FAILED)
 
 
+DELIVERED = Decision(EffectStatus.SUCCEEDED, Reason.DELIVERED, True)
+"""The decision after every delivered attempt, whatever came before it."""
+
+
 def at_deadline(maybe_sent: bool, reason: Reason | None = None) -> Decision:
     """The effect may not be tried again: failed if nothing may have reached the provider."""
     if maybe_sent:
@@ -100,7 +104,7 @@ def after_attempt(
     # The key protects a resend only inside the provider's retention window.
     honours_keys = honours_keys and key_window_open(retry_at, key_expires_at)
     if outcome is AttemptOutcome.DELIVERED:
-        return Decision(EffectStatus.SUCCEEDED, Reason.DELIVERED, True)
+        return DELIVERED
     if outcome is AttemptOutcome.PERMANENT:
         if maybe_sent_before:
             # An earlier send may have worked; this refusal does not say it did not.

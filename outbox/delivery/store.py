@@ -711,8 +711,8 @@ def _write_finishes(conn: Connection, finishes: Sequence[Finish]) -> set[int]:
 # ``IS TRUE`` so that it does not match the lease index's predicate.
 _PG_FINISH = f"""
 WITH v AS (
-    SELECT * FROM jsonb_to_recordset(%(batch)s::jsonb) AS v(
-        id bigint, fence bigint, attempt_no integer, at timestamptz, status varchar,
+    SELECT r.*, to_timestamp(r.at_s) AS at FROM jsonb_to_recordset(%(batch)s::jsonb) AS r(
+        id bigint, fence bigint, attempt_no integer, at_s double precision, status varchar,
         reason varchar, maybe_sent boolean, terminal boolean, next_attempt_at timestamptz,
         next_lookup_at timestamptz, provider_ref varchar, attempt_provider_ref varchar,
         error text, outcome varchar, status_code integer)
@@ -771,25 +771,33 @@ def _write_finishes_pg(conn: Connection, finishes: Sequence[Finish]) -> set[int]
 
 
 def _pg_batch(finishes: Sequence[Finish]) -> str:
-    """``_PG_FINISH``'s one parameter: the batch as JSON."""
+    """``_PG_FINISH``'s one parameter: the batch as JSON.
+
+    ``at`` travels as seconds since the epoch, which ``to_timestamp`` turns back into
+    the same microsecond (a double holds today's instants to a quarter of one):
+    an aware datetime's ``isoformat`` took 2.2 µs, a third of the batch's encoding.
+    ``next_lookup_at`` is read only for ``outcome_unknown``, so it is sent only then.
+    """
     batch = [
         {
             "id": f.effect_id,
             "fence": f.fence,
             "attempt_no": f.attempt_no,
-            "at": _iso(f.at),
-            "status": f.decision.status.value,
-            "reason": f.decision.reason.value,
+            "at_s": f.at.timestamp(),
+            "status": f.decision.status,  # StrEnums: JSON strings as they are
+            "reason": f.decision.reason,
             "maybe_sent": f.decision.maybe_sent,
             "terminal": f.decision.terminal,
             "next_attempt_at": _iso(
                 f.decision.next_attempt_at if f.decision.status is S.PENDING else None
             ),
-            "next_lookup_at": _iso(f.next_lookup_at),
+            "next_lookup_at": (
+                _iso(f.next_lookup_at) if f.decision.status is S.OUTCOME_UNKNOWN else None
+            ),
             "provider_ref": f.provider_ref,
             "attempt_provider_ref": f.attempt_provider_ref,
             "error": f.error,
-            "outcome": f.outcome.value,
+            "outcome": f.outcome,
             "status_code": f.status_code,
         }
         for f in finishes

@@ -11,8 +11,9 @@ lookups on a table with a history and other workers' leases, never analyzed.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -157,3 +158,30 @@ def test_a_finish_first_run_on_a_small_table_still_reads_by_key_once_it_has_grow
         assert not [s for s in scans if s[0] == "Seq Scan"], scans
     finally:
         engine.dispose()
+
+
+def test_a_finish_writes_each_instant_to_the_microsecond(engine) -> None:
+    """The batch carries ``at`` as seconds since the epoch: every microsecond must
+    come back as it was, today's instants and the century's last ones alike."""
+    seed(engine, 300, now=schema.utcnow() - timedelta(seconds=1), prefix="t")
+    claimed = _claim(engine, "w1", 300)
+    rng = random.Random(7)
+    base = [schema.utcnow(), datetime(2099, 12, 31, 23, 59, 59, tzinfo=UTC)]
+    finishes = []
+    for i, c in enumerate(claimed):
+        at = base[i % 2] - timedelta(
+            seconds=rng.randrange(10**8), microseconds=rng.randrange(10**6)
+        )
+        delivered = AttemptOutcome.DELIVERED
+        finish = store.Finish(
+            c.id, c.fence, c.attempt_no, at, delivered, policy.DELIVERED, 200, None, "r", "r"
+        )
+        finishes.append(finish)
+    assert store.finish_attempts(engine, finishes).recorded == {c.id for c in claimed}
+
+    after = rows(engine)
+    tried = {a.effect_id: a for a in attempts(engine)}
+    for f in finishes:
+        assert after[f.effect_id].finished_at == f.at
+        assert after[f.effect_id].updated_at == f.at
+        assert tried[f.effect_id].finished_at == f.at
