@@ -60,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.engine import Engine
 
@@ -98,8 +98,7 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Result:
+class _Result(NamedTuple):
     """What one delivery produced, as the dispatcher records it."""
 
     outcome: AttemptOutcome
