@@ -104,7 +104,7 @@ def plans(scratch: harness.Scratch, variant: str) -> dict[str, Any]:
             claim["unsettled"] = []
             claim_plan = _explain(conn, store._PG_CLAIM_FIRST, claim)
             claimed = [r[1:-1] for r in conn.execute(store._PG_CLAIM_FIRST, claim) if r[0]]
-            at = datetime.now(UTC).isoformat()
+            at = datetime.now(UTC).timestamp()
             batch = json.dumps([floor._finish(c, at) for c in claimed])
             finish_plan = _explain(conn, store._PG_FINISH, {"batch": batch})
         return {"claim": claim_plan, "finish": finish_plan}

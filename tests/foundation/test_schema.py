@@ -190,13 +190,13 @@ def test_finishing_an_attempt_is_a_hot_update_on_postgres(postgres_url: str):
             claim = {"owner": "w", "lease": timedelta(seconds=60), "limit": 100, "unsettled": []}
             claimed = [r[1:-1] for r in cur.execute(store._PG_CLAIM_FIRST, claim) if r[0]]
             assert len(claimed) == count
-            at = datetime.now(UTC).isoformat()
+            at = datetime.now(UTC).timestamp()
             batch = [
                 {
                     "id": c[0],
                     "fence": c[8],
                     "attempt_no": c[7],
-                    "at": at,
+                    "at_s": at,
                     "status": "succeeded",
                     "reason": "delivered",
                     "maybe_sent": True,
