@@ -777,7 +777,6 @@ def _pg_batch(finishes: Sequence[Finish]) -> str:
     ``at`` travels as seconds since the epoch, which ``to_timestamp`` turns back into
     the same microsecond (a double holds today's instants to a quarter of one):
     an aware datetime's ``isoformat`` took 2.2 µs, a third of the batch's encoding.
-    ``next_lookup_at`` is read only for ``outcome_unknown``, so it is sent only then.
     """
     batch = [
         {
@@ -792,9 +791,7 @@ def _pg_batch(finishes: Sequence[Finish]) -> str:
             "next_attempt_at": _iso(
                 f.decision.next_attempt_at if f.decision.status is S.PENDING else None
             ),
-            "next_lookup_at": (
-                _iso(f.next_lookup_at) if f.decision.status is S.OUTCOME_UNKNOWN else None
-            ),
+            "next_lookup_at": _iso(f.next_lookup_at),
             "provider_ref": f.provider_ref,
             "attempt_provider_ref": f.attempt_provider_ref,
             "error": f.error,

@@ -160,10 +160,10 @@ def test_finishing_an_attempt_is_a_hot_update_on_postgres(postgres_url: str):
     """The attempts table leaves room on its pages (migration 0006), so the result's
     update of an attempt row writes no index entry; at the default fillfactor of 100
     almost none were HOT (61 of 20,000 in a drain)."""
-    import json
     from datetime import UTC, datetime
 
-    from outbox.delivery import store
+    from outbox.delivery import policy, store
+    from outbox.states import AttemptOutcome
 
     count = 60
     with Outbox(postgres_url) as box:  # the database's clock: the claim reads now()
@@ -190,28 +190,15 @@ def test_finishing_an_attempt_is_a_hot_update_on_postgres(postgres_url: str):
             claim = {"owner": "w", "lease": timedelta(seconds=60), "limit": 100, "unsettled": []}
             claimed = [r[1:-1] for r in cur.execute(store._PG_CLAIM_FIRST, claim) if r[0]]
             assert len(claimed) == count
-            at = datetime.now(UTC).timestamp()
-            batch = [
-                {
-                    "id": c[0],
-                    "fence": c[8],
-                    "attempt_no": c[7],
-                    "at_s": at,
-                    "status": "succeeded",
-                    "reason": "delivered",
-                    "maybe_sent": True,
-                    "terminal": True,
-                    "next_attempt_at": None,
-                    "next_lookup_at": None,
-                    "provider_ref": f"T-{c[0]}",
-                    "attempt_provider_ref": f"T-{c[0]}",
-                    "error": None,
-                    "outcome": "delivered",
-                    "status_code": 201,
-                }
+            # The batch as the store encodes it (``_pg_batch``), for these claimed rows.
+            at = datetime.now(UTC)
+            delivered = AttemptOutcome.DELIVERED
+            finishes = [
+                store.Finish(c[0], c[8], c[7], at, delivered, policy.DELIVERED, 201, None,
+                             f"T-{c[0]}", f"T-{c[0]}")
                 for c in claimed
-            ]
-            held = cur.execute(store._PG_FINISH, {"batch": json.dumps(batch)}).fetchall()
+            ]  # fmt: skip
+            held = cur.execute(store._PG_FINISH, {"batch": store._pg_batch(finishes)}).fetchall()
             assert len(held) == count
             updated, hot = cur.execute(
                 "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
