@@ -192,6 +192,9 @@ class Dispatcher:
         )
         self.flush_size = flush_size
         self.flush_after = flush_after.total_seconds()
+        # One of each per adapter, made by ``_admit`` on the loop's thread (every row is
+        # admitted before it is sent) and fed results by collector threads too
+        # (``_observe``) while the loop admits: each guards its state with its own lock.
         self._budgets: dict[str, retry.RetryBudget] = {}
         self._breakers: dict[str, retry.CircuitBreaker] = {}
         self._budget_empty: set[str] = set()  # for logging the transitions only
@@ -286,7 +289,8 @@ class Dispatcher:
                 "retry budget spent: retries wait for first attempts or the window to pass",
                 extra={"adapter": candidate.adapter, "worker": self.worker_id},
             )
-        # The breaker's probe, if this was one, did not go out.
+        # The breaker's probe, if this was one, did not go out. Only this thread takes
+        # probes (``allow``), so no other probe can have been taken since ours.
         self.breaker(candidate.adapter).release_probe()
         return False
 

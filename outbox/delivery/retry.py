@@ -18,12 +18,16 @@ and, where there is chance, a ``random.Random``. The dispatcher owns one RNG
 - ``CircuitBreaker``: after ``threshold`` consecutive provider failures the
   adapter is paused for a cooldown that doubles on each failed probe, up to a
   maximum; one probe delivery is let through when the cooldown ends.
+
+``RetryBudget`` and ``CircuitBreaker`` are thread-safe (each holds a lock): the
+dispatcher's loop admits rows while its collector threads record results.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -112,7 +116,13 @@ class RetryBudget:
 
     The window is kept as ``buckets`` counters, so memory stays constant
     however many deliveries pass through (a timestamp per delivery would grow
-    with throughput). Not thread-safe: the dispatcher uses it from one thread.
+    with throughput).
+
+    Thread-safe: the dispatcher's loop spends and counts (``try_retry``,
+    ``record_first``) while a collector thread, recording a detached pass's slow
+    sends, refunds (``record_answered_retry``). Each method reads and rewrites
+    the buckets under one lock; without it a refund could be lost or doubled,
+    or the window's sum could see the deque change under it.
     """
 
     def __init__(
@@ -132,8 +142,11 @@ class RetryBudget:
         self._buckets = buckets
         # (bucket index, first attempts, retries), oldest first
         self._counts: deque[list[int]] = deque()
+        self._lock = threading.Lock()
         self.denied = 0  # retries refused since start: a counter for logs and metrics
         self.refunded = 0  # tokens given back by answered retries since start
+
+    # ``_bucket``, ``_totals`` and ``_available`` run under ``_lock``.
 
     def _bucket(self, now: datetime) -> list[int]:
         index = math.floor(now.timestamp() / self._width)
@@ -147,29 +160,36 @@ class RetryBudget:
         self._bucket(now)
         return sum(c[1] for c in self._counts), sum(c[2] for c in self._counts)
 
-    def record_first(self, now: datetime) -> None:
-        self._bucket(now)[1] += 1
-
-    def available(self, now: datetime) -> int:
-        """How many retries may start now."""
+    def _available(self, now: datetime) -> int:
         firsts, retries = self._totals(now)
         allowed = max(self.min_per_window, math.floor(self.ratio * firsts))
         return max(0, allowed - retries)
 
+    def record_first(self, now: datetime) -> None:
+        with self._lock:
+            self._bucket(now)[1] += 1
+
+    def available(self, now: datetime) -> int:
+        """How many retries may start now."""
+        with self._lock:
+            return self._available(now)
+
     def try_retry(self, now: datetime) -> bool:
         """Spend one retry if the budget has one; count a refusal otherwise."""
-        if self.available(now) <= 0:
-            self.denied += 1
-            return False
-        self._bucket(now)[2] += 1
-        return True
+        with self._lock:
+            if self._available(now) <= 0:
+                self.denied += 1
+                return False
+            self._bucket(now)[2] += 1
+            return True
 
     def record_answered_retry(self, now: datetime) -> None:
         """A retry the provider answered: give its token back (never below zero spent)."""
-        _, retries = self._totals(now)
-        if retries > 0:
-            self._bucket(now)[2] -= 1
-            self.refunded += 1
+        with self._lock:
+            _, retries = self._totals(now)
+            if retries > 0:
+                self._bucket(now)[2] -= 1
+                self.refunded += 1
 
 
 class BreakerState(StrEnum):
@@ -183,7 +203,14 @@ class CircuitBreaker:
 
     A failure is an answer that says the provider is in trouble (not sent,
     retryable, ambiguous); a success is any answer that shows it working
-    (delivered, or a permanent refusal of one request). Not thread-safe.
+    (delivered, or a permanent refusal of one request).
+
+    Thread-safe: the dispatcher's loop asks ``allow`` and ``paused`` while a
+    collector thread, recording a detached pass's slow sends, calls
+    ``record_failure`` and ``record_success``. Each method reads and rewrites the
+    state under one lock. Without it, ``allow`` could see a reopening breaker
+    half written (open, with the last cooldown's end) and let probes through
+    during the new cooldown, more than the one a half-open breaker promises.
     """
 
     def __init__(
@@ -206,32 +233,35 @@ class CircuitBreaker:
         self.opened = 0  # times it opened since start: a counter for logs and metrics
         self._probe_out = False
         self._probe_at: datetime | None = None
+        self._lock = threading.Lock()  # ``_probe_lost`` and ``_open`` run under it
 
     def allow(self, now: datetime) -> bool:
         """May a delivery start now? In half-open state, only the first caller's may."""
-        if self.state is BreakerState.CLOSED:
-            return True
-        if self.state is BreakerState.OPEN:
-            assert self.open_until is not None
-            if now < self.open_until:
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return True
+            if self.state is BreakerState.OPEN:
+                assert self.open_until is not None
+                if now < self.open_until:
+                    return False
+                self.state = BreakerState.HALF_OPEN
+                self._probe_out = False
+            if self._probe_lost(now):
+                self._probe_out = False
+            if self._probe_out:
                 return False
-            self.state = BreakerState.HALF_OPEN
-            self._probe_out = False
-        if self._probe_lost(now):
-            self._probe_out = False
-        if self._probe_out:
-            return False
-        self._probe_out, self._probe_at = True, now
-        return True
+            self._probe_out, self._probe_at = True, now
+            return True
 
     def paused(self, now: datetime) -> bool:
         """True when ``allow`` would refuse; does not take the probe."""
-        if self.state is BreakerState.CLOSED:
-            return False
-        if self.state is BreakerState.OPEN:
-            assert self.open_until is not None
-            return now < self.open_until
-        return self._probe_out and not self._probe_lost(now)
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return False
+            if self.state is BreakerState.OPEN:
+                assert self.open_until is not None
+                return now < self.open_until
+            return self._probe_out and not self._probe_lost(now)
 
     def _probe_lost(self, now: datetime) -> bool:
         return (
@@ -243,28 +273,31 @@ class CircuitBreaker:
     def record_success(self, now: datetime) -> bool:
         """Returns True when this closed a breaker that was open or half-open."""
         del now
-        was_open = self.state is not BreakerState.CLOSED
-        self.state = BreakerState.CLOSED
-        self.failures = 0
-        self.cooldown = self.cooldown_initial
-        self.open_until = None
-        self._probe_out = False
-        return was_open
+        with self._lock:
+            was_open = self.state is not BreakerState.CLOSED
+            self.state = BreakerState.CLOSED
+            self.failures = 0
+            self.cooldown = self.cooldown_initial
+            self.open_until = None
+            self._probe_out = False
+            return was_open
 
     def record_failure(self, now: datetime) -> bool:
         """Returns True when this failure opened (or reopened) the breaker."""
-        self.failures += 1
-        if self.state is BreakerState.HALF_OPEN:
-            # The probe failed: pause again, for longer.
-            self.cooldown = min(self.cooldown * 2, self.cooldown_max)
-            return self._open(now)
-        if self.state is BreakerState.CLOSED and self.failures >= self.threshold:
-            return self._open(now)
-        return False
+        with self._lock:
+            self.failures += 1
+            if self.state is BreakerState.HALF_OPEN:
+                # The probe failed: pause again, for longer.
+                self.cooldown = min(self.cooldown * 2, self.cooldown_max)
+                return self._open(now)
+            if self.state is BreakerState.CLOSED and self.failures >= self.threshold:
+                return self._open(now)
+            return False
 
     def release_probe(self) -> None:
         """The probe never reached the provider (withdrawn at shutdown): let another go."""
-        self._probe_out = False
+        with self._lock:
+            self._probe_out = False
 
     def _open(self, now: datetime) -> bool:
         self.state = BreakerState.OPEN

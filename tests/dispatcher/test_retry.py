@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -222,3 +224,116 @@ def test_breaker_probe_lost_without_a_result_stops_blocking_after_its_timeout() 
     assert not b.paused(later + timedelta(seconds=60))
     assert b.allow(later + timedelta(seconds=60))  # another probe
     assert not b.allow(later + timedelta(seconds=60))  # and only one
+
+
+# --- shared with a collector thread ------------------------------------------------
+#
+# The dispatcher's loop admits rows (``allow``, ``try_retry``) while collector threads
+# record a detached pass's results (``record_failure``, ``record_answered_retry``). Each
+# test pauses one call halfway through, at a hook of a subclass, runs the competing call
+# on another thread meanwhile, and checks the invariant. Events, never sleeps: the
+# paused call goes on once the other has finished (no lock) or blocks on the lock.
+
+
+class _Contended:
+    """Stands in for an object's lock; ``waited`` is set when a second thread blocks on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited = threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def _meanwhile(
+    lock: _Contended, competing: Callable[[], object], answers: list[object]
+) -> threading.Thread:
+    """Start ``competing`` on a thread; return once it has finished or waits on ``lock``."""
+
+    def run() -> None:
+        try:
+            answers.append(competing())
+        finally:
+            lock.waited.set()
+
+    thread = threading.Thread(target=run, name="collector")
+    thread.start()
+    lock.waited.wait()
+    return thread
+
+
+class _PausingBudget(retry.RetryBudget):
+    """Runs ``meanwhile`` once, right after the next sum over the window."""
+
+    meanwhile: Callable[[], object] | None = None
+
+    def _totals(self, now: datetime) -> tuple[int, int]:
+        totals = super()._totals(now)
+        hook, self.meanwhile = self.meanwhile, None
+        if hook is not None:
+            hook()
+        return totals
+
+
+class _PausingBreaker(retry.CircuitBreaker):
+    """Runs ``meanwhile`` once, right before ``open_until`` is next written."""
+
+    meanwhile: Callable[[], object] | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "open_until":
+            hook, self.meanwhile = self.meanwhile, None
+            if hook is not None:
+                hook()
+        super().__setattr__(name, value)
+
+
+def test_retry_budget_refunds_a_token_once_when_two_threads_answer_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop records one pass's results while a collector records a detached pass's:
+    # both may see the one token spent and give it back.
+    budget = _PausingBudget(0.0, timedelta(seconds=60), min_per_window=1)
+    lock = _Contended()
+    monkeypatch.setattr(budget, "_lock", lock, raising=False)
+    assert budget.try_retry(T0)
+    answers: list[object] = []
+    threads: list[threading.Thread] = []
+    budget.meanwhile = lambda: threads.append(
+        _meanwhile(lock, lambda: budget.record_answered_retry(T0), answers)
+    )
+    budget.record_answered_retry(T0)  # paused once it has seen one token spent
+    threads[0].join()
+    assert (budget.refunded, budget.available(T0)) == (1, 1)  # not 2: no credit made up
+
+
+def test_breaker_reopening_on_a_failed_probe_admits_no_probe_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A collector records the probe's failure while the loop asks whether to admit a
+    # row: the loop must not see the breaker open with the last cooldown's end.
+    b = _PausingBreaker(1, timedelta(seconds=5), timedelta(seconds=60))
+    lock = _Contended()
+    monkeypatch.setattr(b, "_lock", lock, raising=False)
+    assert b.record_failure(T0)  # open until T0 + 5s
+    probe_at = T0 + timedelta(seconds=5)
+    assert b.allow(probe_at)  # the probe
+    answers: list[object] = []
+    threads: list[threading.Thread] = []
+    b.meanwhile = lambda: threads.append(_meanwhile(lock, lambda: b.allow(probe_at), answers))
+    assert b.record_failure(probe_at)  # reopens for 10s; paused before open_until is written
+    threads[0].join()
+    next_probe = probe_at + timedelta(seconds=10)
+    admitted = [
+        *answers,
+        b.allow(probe_at + timedelta(seconds=9)),
+        b.allow(next_probe),
+        b.allow(next_probe),
+    ]
+    assert admitted == [False, False, True, False]  # one probe, once the cooldown ends
