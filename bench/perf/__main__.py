@@ -207,6 +207,11 @@ def main() -> int:
     table = report.build(ctx.out.rows)
     print()
     print(report.render(table))
+    cores = os.cpu_count() or 1
+    cpu = report.cpu_table(ctx.out.rows, cores)
+    if cpu:
+        print("\nCPU per operation (clients and database server), and the ceiling it sets:\n")
+        print(report.render_cpu(cpu, cores))
     for line in ctx.skipped:
         print(line)
     document = {
@@ -219,6 +224,7 @@ def main() -> int:
         "machine": {**machine(), "postgres": pg_version},
         "skipped": ctx.skipped,
         "table": table,
+        "cpu": cpu,
         "measurements": ctx.out.rows,
     }
     out: Path = args.out or (QUICK_RESULTS if quick else RESULTS)

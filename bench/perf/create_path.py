@@ -56,7 +56,7 @@ def outbox_client(
         for i in range(WARMUP_OPS):
             box.execute(harness.TENANT, _key(f"{prefix}w", client, i), TOOL, arguments(client, i))
         harness.wait_until(start_at)
-        started = time.monotonic()
+        begun = harness.begin()
         ops = 0
         if created is None:
             while ops < MAX_OPS and time.monotonic() < end_at:
@@ -75,7 +75,7 @@ def outbox_client(
                 )
                 assert result.replayed
                 ops += 1
-        return {"ops": ops, "started": started, "ended": time.monotonic()}
+        return harness.span(ops, begun)
     finally:
         box.close()
 
@@ -85,12 +85,12 @@ def timed(one: Callable[[int], object], start_at: float, end_at: float) -> dict[
     for i in range(WARMUP_OPS):
         one(-1 - i)
     harness.wait_until(start_at)
-    started = time.monotonic()
+    begun = harness.begin()
     ops = 0
     while ops < MAX_OPS and time.monotonic() < end_at:
         one(ops)
         ops += 1
-    return {"ops": ops, "started": started, "ended": time.monotonic()}
+    return harness.span(ops, begun)
 
 
 def _payload(args: dict[str, Any]) -> str:
@@ -241,33 +241,29 @@ def _baseline(system: str, backend: str) -> Callable[..., dict[str, Any]]:
 
 
 def _measure(ctx: Any, rep: int, backend: str, clients: int, system: str, url: str) -> None:
-    common = {"db": backend, "clients": clients, "rep": rep}
-    if system != "outbox":
-        reports = ctx.clients.run(_baseline(system, backend), clients, ctx.create_seconds, url=url)
+    def measure(case: str, fn: Callable[..., dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Run ``fn`` on every client, emit the measurement, return each client's ops."""
+        server = ctx.scratch.server_cpu(url)
+        reports = ctx.clients.run(fn, clients, ctx.create_seconds, url=url, server=server, **kwargs)
         ops, span = harness.throughput(reports)
+        named = {"system": system, **harness.note(system)}
         ctx.out.emit(
-            case="create",
-            system=system,
-            **common,
-            **harness.note(system),
+            case=case,
+            **named,
+            db=backend,
+            clients=clients,
+            rep=rep,
             ops=ops,
             seconds=span,
             ops_per_s=ops / span,
+            **harness.cpu_per_op(reports, server),
         )
+        return [r["ops"] for r in reports]
+
+    if system != "outbox":
+        measure("create", _baseline(system, backend))
         return
     prefix = f"r{rep}"
-    reports = ctx.clients.run(outbox_client, clients, ctx.create_seconds, url=url, prefix=prefix)
-    ops, span = harness.throughput(reports)
-    ctx.out.emit(
-        case="create", system="outbox", **common, ops=ops, seconds=span, ops_per_s=ops / span
-    )
-    if 2 not in ctx.cases:
-        return
-    created = [r["ops"] for r in reports]
-    reports = ctx.clients.run(
-        outbox_client, clients, ctx.create_seconds, url=url, prefix=prefix, created=created
-    )
-    ops, span = harness.throughput(reports)
-    ctx.out.emit(
-        case="replay", system="outbox", **common, ops=ops, seconds=span, ops_per_s=ops / span
-    )
+    created = measure("create", outbox_client, prefix=prefix)
+    if 2 in ctx.cases:
+        measure("replay", outbox_client, prefix=prefix, created=created)

@@ -105,7 +105,7 @@ def raw_drain(
     claim, ack = LOOPS[tables]["postgres"]
     with psycopg.connect(backlog.conninfo(url)) as conn:
         harness.wait_until(start_at)
-        started = time.monotonic()
+        begun = harness.begin()
         done = 0
         while time.monotonic() < end_at:
             rows = conn.execute(claim, {"owner": owner, "limit": BATCH}).fetchall()
@@ -117,7 +117,7 @@ def raw_drain(
             conn.execute(ack, {"ids": [r[0] for r in rows]})
             conn.commit()
             done += len(rows)
-        return {"ops": done, "started": started, "ended": time.monotonic()}
+        return harness.span(done, begun)
 
 
 def _raw_drain_sqlite(
@@ -130,7 +130,7 @@ def _raw_drain_sqlite(
 
     try:
         harness.wait_until(start_at)
-        started = time.monotonic()
+        begun = harness.begin()
         done = 0
         while time.monotonic() < end_at:
             now = datetime.now(UTC)
@@ -158,7 +158,7 @@ def _raw_drain_sqlite(
             )
             conn.execute("COMMIT")
             done += len(rows)
-        return {"ops": done, "started": started, "ended": time.monotonic()}
+        return harness.span(done, begun)
     finally:
         conn.close()
 
@@ -185,14 +185,14 @@ def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> di
     d = dispatcher(url)
     try:
         harness.wait_until(start_at)
-        started = time.monotonic()
-        stop = threading.Timer(max(0.0, end_at - started), d.request_stop)
+        begun = harness.begin()
+        stop = threading.Timer(max(0.0, end_at - begun[0]), d.request_stop)
         stop.start()
         try:
             done = d.run(once=True)
         finally:
             stop.cancel()
-        return {"ops": done, "started": started, "ended": time.monotonic()}
+        return harness.span(done, begun)
     finally:
         d.close()
         d.adapters.close()
@@ -240,9 +240,10 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, processes: int, seco
             ctx.scratch.drop(url)
     else:
         url = ctx.scratch.fresh(backend)
+        server = ctx.scratch.server_cpu(url)
         try:
             FILLS.get(system, backlog.fill)(url, ctx.backlog)
-            reports = ctx.clients.run(SYSTEMS[system], processes, seconds, url=url)
+            reports = ctx.clients.run(SYSTEMS[system], processes, seconds, url=url, server=server)
         finally:
             ctx.scratch.drop(url)
     done, span = harness.throughput(reports)
@@ -257,4 +258,5 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, processes: int, seco
         effects=done,
         seconds=span,
         effects_per_s=done / span,
+        **harness.cpu_per_op(reports, None if system in peers.DRAINERS else server),
     )

@@ -124,14 +124,14 @@ def drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str,
     conn: Any = psycopg.connect(backlog.conninfo(url)) if pg else harness.sqlite_connect(url)
     try:
         harness.wait_until(start_at)
-        started = time.monotonic()
+        begun = harness.begin()
         done = 0
         while time.monotonic() < end_at:
             handled = _pass_pg(conn, owner) if pg else _pass_sqlite(conn, owner)
             if handled == 0:
                 break
             done += handled
-        return {"ops": done, "started": started, "ended": time.monotonic()}
+        return harness.span(done, begun)
     finally:
         conn.close()
 

@@ -17,11 +17,13 @@ import json
 import math
 import multiprocessing
 import os
+import resource
 import shutil
 import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -227,6 +229,12 @@ class Scratch:
     def fresh(self, backend: str) -> str:
         return self.postgres() if backend == "postgres" else self.sqlite()
 
+    def server_cpu(self, url: str) -> ServerCpu | None:
+        """A sampler of the server's CPU for a measurement on ``url`` (PostgreSQL only)."""
+        if sa.make_url(url).get_backend_name() == "sqlite":
+            return None
+        return ServerCpu(self.pg_admin_url, url)
+
 
 def _warm_imports() -> None:
     # Pay the import cost once per worker, outside every timed region.
@@ -247,17 +255,33 @@ class Clients:
         self.size = size
 
     def run(
-        self, fn: Callable[..., dict[str, Any]], count: int, duration: float, **kwargs: Any
+        self,
+        fn: Callable[..., dict[str, Any]],
+        count: int,
+        duration: float,
+        *,
+        server: ServerCpu | None = None,
+        **kwargs: Any,
     ) -> list[dict[str, Any]]:
-        """Run ``fn`` in ``count`` processes from one shared start for ``duration`` seconds."""
+        """Run ``fn`` in ``count`` processes from one shared start for ``duration`` seconds.
+
+        ``server``: count the database server's CPU from the start until the clients end."""
         assert count <= self.size
         start_at = time.monotonic() + START_LEAD_S
-        futures = [
-            self.pool.submit(fn, client=i, start_at=start_at, end_at=start_at + duration, **kwargs)
-            for i in range(count)
-        ]
-        # Bounded: a client that hangs fails the case instead of the run hanging.
-        return [f.result(timeout=duration + 120) for f in futures]
+        if server is not None:
+            server.start(start_at)
+        try:
+            futures = [
+                self.pool.submit(
+                    fn, client=i, start_at=start_at, end_at=start_at + duration, **kwargs
+                )
+                for i in range(count)
+            ]
+            # Bounded: a client that hangs fails the case instead of the run hanging.
+            return [f.result(timeout=duration + 120) for f in futures]
+        finally:
+            if server is not None:
+                server.stop()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 600, **kwargs: Any) -> Any:
         return self.pool.submit(fn, *args, **kwargs).result(timeout=timeout)
@@ -284,10 +308,116 @@ def sqlite_connect(url: str, *, check_same_thread: bool = True) -> sqlite3.Conne
     return conn
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def begin() -> tuple[float, float]:
+    """A client's timed span starts: (monotonic clock, CPU seconds)."""
+    return time.monotonic(), cpu_seconds()
+
+
+def span(ops: int, begun: tuple[float, float], **more: Any) -> dict[str, Any]:
+    """A client's report: ``ops`` since ``begin()``, with the CPU the span took."""
+    started, cpu_started = begun
+    ended, cpu = time.monotonic(), cpu_seconds()
+    return {"ops": ops, "started": started, "ended": ended, "cpu_s": cpu - cpu_started, **more}
+
+
+class ServerCpu:
+    """The CPU a database's server processes spend while a measurement runs.
+
+    PostgreSQL runs one process per connection and does not count CPU itself;
+    Linux does, per process (``/proc/<pid>/stat``). A thread polls the backends
+    connected to the measurement's database every ``POLL_S`` from the shared
+    start, so a backend that exits (its client disconnected) keeps its last
+    reading: at most one poll of its work is lost. Each backend counts from its
+    first reading at or after the start, so the clients' warm-up is left out.
+    ``seconds`` is None when the server's processes are not readable from here
+    (a server on another host, or SQLite, which runs in the client).
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, admin_url: str, url: str) -> None:
+        self._admin_url = admin_url
+        self._database = sa.make_url(url).database
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unreadable = False
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self.polls = 0  # readings taken so far
+
+    def start(self, start_at: float) -> None:
+        self._thread = threading.Thread(target=self._poll, args=(start_at,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    @property
+    def seconds(self) -> float | None:
+        if self._unreadable or not self._first:
+            return None
+        return sum(self._last[pid] - first for pid, first in self._first.items())
+
+    def _cpu(self, pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+
+    def _poll(self, start_at: float) -> None:
+        import psycopg
+
+        conninfo = sa.make_url(self._admin_url).set(drivername="postgresql")
+        dsn = conninfo.render_as_string(hide_password=False)
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            if self._stop.wait(max(0.0, start_at - time.monotonic())):
+                return  # stopped before the start
+            while True:
+                rows = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (self._database,),
+                ).fetchall()
+                for (pid,) in rows:
+                    cpu = self._cpu(pid)
+                    if cpu is None:
+                        if pid not in self._first:
+                            self._unreadable = True
+                        continue
+                    self._first.setdefault(pid, cpu)
+                    self._last[pid] = cpu
+                self.polls += 1
+                if self._stop.wait(self.POLL_S):
+                    return
+
+
 def wait_until(start_at: float) -> None:
     delay = start_at - time.monotonic()
     if delay > 0:
         time.sleep(delay)
+
+
+def cpu_per_op(reports: list[dict[str, Any]], server: ServerCpu | None = None) -> dict[str, float]:
+    """``client_cpu_us`` (the clients' CPU per operation) and, where the server's
+    processes could be read, ``server_cpu_us``: the fields a measurement adds."""
+    ops = sum(r["ops"] for r in reports)
+    if not ops or any("cpu_s" not in r for r in reports):
+        return {}
+    figures = {"client_cpu_us": sum(r["cpu_s"] for r in reports) / ops * 1e6}
+    seconds = None if server is None else server.seconds
+    if seconds is not None:
+        figures["server_cpu_us"] = seconds / ops * 1e6
+    return figures
 
 
 def throughput(reports: list[dict[str, Any]]) -> tuple[int, float]:

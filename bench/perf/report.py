@@ -288,3 +288,98 @@ def render(table: list[dict[str, Any]]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --- CPU per operation, and the ceiling it sets ------------------------------------
+
+CPU_CASES = ("create", "dispatch")
+STREAMS = {"create": "clients", "dispatch": "processes"}
+
+
+def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
+    """Per (case, db, variant, system): the medians of the clients' and the server's CPU
+    per operation, and the most operations a second that CPU allows.
+
+    No system does more operations a second than ``cores`` cores can pay for:
+    cores / (client + server CPU per operation). A loop that waits for each reply
+    (every create client, and the baselines' drain loops) is bounded tighter: one
+    stream runs at most at 1 / (client + server), ``n`` streams at min(n, cores)
+    times that. Outbox's dispatcher overlaps its work (runners send while a batch is
+    recorded, and the finish of one batch is written while the next is claimed), so
+    only the cores bound it. The ceiling divided by the baseline's measured rate in
+    the same run is the best ratio this CPU per operation allows: a target above it
+    cannot be met without spending less CPU per operation, whatever else changes.
+    SQLite runs inside the client: its work is in the client's figure.
+    """
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    measured: dict[tuple[str, str, str, str], list[float]] = {}
+    for row in rows:
+        if row["case"] not in CPU_CASES:
+            continue
+        key = _key(row["case"], row["db"], variant_of(row), row["system"])
+        rate = row.get(METRICS[row["case"]][0][0])
+        if isinstance(rate, int | float):
+            measured.setdefault(key, []).append(rate)
+        if isinstance(row.get("client_cpu_us"), int | float):
+            groups.setdefault(key, []).append(row)
+    rates = {key: statistics.median(values) for key, values in measured.items()}
+    table = []
+    for key, members in sorted(groups.items()):
+        case, db, variant, system = key
+        client = statistics.median(m["client_cpu_us"] for m in members)
+        servers = [
+            m["server_cpu_us"] for m in members if isinstance(m.get("server_cpu_us"), int | float)
+        ]
+        server = statistics.median(servers) if servers else None
+        total = client + (server or 0.0)
+        overlaps = case == "dispatch" and system == "outbox"
+        streams = cores if overlaps else min(int(members[0].get(STREAMS[case], 1)), cores)
+        ceiling = streams * 1e6 / total if total > 0 else float("nan")
+        base = rates.get((case, db, variant, BASELINE[case][0] or ""))
+        table.append(
+            {
+                "case": case,
+                "db": db,
+                "variant": variant,
+                "system": system,
+                "client_cpu_us": client,
+                "server_cpu_us": server,
+                "cpu_us": total,
+                "rate": rates.get(key),
+                "ceiling": ceiling,
+                "baseline_rate": base,
+                "ceiling_ratio": ceiling / base if base else None,
+            }
+        )
+    return table
+
+
+def render_cpu(table: list[dict[str, Any]], cores: int) -> str:
+    head = [
+        "case",
+        "db",
+        "variant",
+        "system",
+        "client µs/op",
+        "server µs/op",
+        "CPU µs/op",
+        "measured /s",
+        "ceiling /s",
+        "ceiling / raw's measured",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in table:
+        cells = [
+            e["case"],
+            e["db"],
+            e["variant"] or "-",
+            e["system"],
+            _fmt(e["client_cpu_us"]),
+            _fmt(e["server_cpu_us"]) if e["server_cpu_us"] is not None else "(in client)",
+            _fmt(e["cpu_us"]),
+            _fmt(e["rate"]),
+            _fmt(e["ceiling"]),
+            f"{e['ceiling_ratio']:.2f}x" if e["ceiling_ratio"] is not None else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
