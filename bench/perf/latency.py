@@ -11,6 +11,10 @@ Baseline (PostgreSQL): INSERT + NOTIFY in one transaction, and a LISTENing
 consumer that claims at once. Peers: pgqueuer and procrastinate enqueueing and
 consuming with their LISTEN/NOTIFY wake-ups.
 
+Outbox and raw also note how long the claim that took each row ran
+(``claim_p50_ms``): Outbox's claim is one statement that also writes and
+commits the attempt row, the evidence that must be on disk before the send.
+
 The producer never starts a create after the window ends: on a loaded host it
 can fall behind its schedule (a create slower than 1/rate), and creates
 committed later than the consumer's drain would be counted as undelivered
@@ -113,6 +117,8 @@ def outbox_latency(
         finally:
             box.close()
     seen: dict[str, float] = {}
+    claims: dict[str, float] = {}
+    _time_claims(claims)
     engine = db.create_engine(config, url=url)
     registry = adapters.Registry([_Recording("helpdesk", seen)])
     dispatcher = Dispatcher(engine, registry, config, worker_id="bench-latency")
@@ -125,7 +131,27 @@ def outbox_latency(
     thread.join(15)
     dispatcher.close()
     engine.dispose()
-    return {"seen": seen}
+    return {"seen": seen, "claims": claims}
+
+
+def _time_claims(claims: dict[str, float]) -> None:
+    """Note how long the claim that took each row ran (``store.claim_due``: the
+    statement that claims it and commits its attempt row, and the Python around
+    it), so a delivery's latency splits into the claim and what follows it. The
+    wrapper adds one call a pass."""
+    from outbox.delivery import store
+
+    claim_due = store.claim_due
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
+        claim = claim_due(*args, **kwargs)
+        took = time.monotonic() - began
+        for effect in claim.effects:
+            claims[effect.operation_id] = took
+        return claim
+
+    store.claim_due = timed
 
 
 # --- raw INSERT + NOTIFY ------------------------------------------------------------
@@ -146,6 +172,7 @@ def raw_latency(
 
             return _produce(start_at, end_at, rate, one)
     seen: dict[str, float] = {}
+    claims: dict[str, float] = {}
     with (
         psycopg.connect(backlog.conninfo(url), autocommit=True) as listener,
         psycopg.connect(backlog.conninfo(url)) as worker,
@@ -161,14 +188,17 @@ def raw_latency(
                  WHERE id = ANY(%s)"""
         while time.monotonic() < end_at + DRAIN_S:
             for _ in listener.notifies(timeout=0.2, stop_after=1):
+                began = time.monotonic()
                 rows = worker.execute(claim).fetchall()
                 worker.commit()
+                took = time.monotonic() - began
                 for _id, op in rows:
                     seen.setdefault(op, time.monotonic())
+                    claims[op] = took
                 if rows:
                     worker.execute(ack, ([r[0] for r in rows],))
                     worker.commit()
-    return {"seen": seen}
+    return {"seen": seen, "claims": claims}
 
 
 def _now() -> Any:
@@ -301,4 +331,8 @@ def _measure(ctx: Any, rep: int, backend: str, system: str, seconds: float) -> N
     }
     if backend == "sqlite":
         row["poll_ms"] = SQLITE_POLL_MS
+    # Outbox and raw: how long the claim that took each row ran, for the rows delivered.
+    took = sorted(t * 1000 for key, t in consumer.get("claims", {}).items() if key in committed)
+    if took:
+        row["claim_p50_ms"] = harness.percentile(took, 0.50)
     ctx.out.emit(**row)
