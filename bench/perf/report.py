@@ -310,9 +310,12 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
     cores / (client + server CPU per operation). A loop that waits for each reply
     (every create client, and the baselines' drain loops) is bounded tighter: one
     stream runs at most at 1 / (client + server), ``n`` streams at min(n, cores)
-    times that. Outbox's dispatcher overlaps its work (runners send while a batch is
-    recorded, and the finish of one batch is written while the next is claimed), so
-    only the cores bound it. The ceiling divided by the baseline's measured rate in
+    times that. Outbox's dispatcher on PostgreSQL overlaps its work (runners send
+    while a batch is recorded, and the finish of one batch is written while the next
+    is claimed, each on its own server process), so only the cores bound it. On
+    SQLite everything runs in the dispatcher's process, one core at a time (its
+    threads share the interpreter's lock and the database's one writer; its CPU per
+    effect equals its wall time per effect), so a process is one stream. The ceiling divided by the baseline's measured rate in
     the same run is the best ratio this CPU per operation allows: a target above it
     cannot be met without spending less CPU per operation, whatever else changes.
     SQLite runs inside the client: its work is in the client's figure.
@@ -338,7 +341,7 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
         ]
         server = statistics.median(servers) if servers else None
         total = client + (server or 0.0)
-        overlaps = case == "dispatch" and system == "outbox"
+        overlaps = case == "dispatch" and system == "outbox" and db == "postgres"
         streams = cores if overlaps else min(int(members[0].get(STREAMS[case], 1)), cores)
         ceiling = streams * 1e6 / total if total > 0 else float("nan")
         base = rates.get((case, db, variant, BASELINE[case][0] or ""))
