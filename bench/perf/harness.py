@@ -335,8 +335,9 @@ class ServerCpu:
     start, so a backend that exits (its client disconnected) keeps its last
     reading: at most one poll of its work is lost. Each backend counts from its
     first reading at or after the start, so the clients' warm-up is left out.
-    ``seconds`` is None when the server's processes are not readable from here
-    (a server on another host, or SQLite, which runs in the client).
+    Only a local process named ``postgres`` is read: ``seconds`` is None when no
+    backend could be (a server on another host, whose process ids mean nothing
+    here; SQLite, which runs in the client).
     """
 
     POLL_S = 0.05
@@ -348,7 +349,6 @@ class ServerCpu:
         self._last: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._unreadable = False
         self._tick = os.sysconf("SC_CLK_TCK")
         self.polls = 0  # readings taken so far
 
@@ -363,16 +363,21 @@ class ServerCpu:
 
     @property
     def seconds(self) -> float | None:
-        if self._unreadable or not self._first:
+        if not self._first:
             return None
         return sum(self._last[pid] - first for pid, first in self._first.items())
 
-    def _cpu(self, pid: int) -> float | None:
+    def cpu(self, pid: int) -> float | None:
+        """A local PostgreSQL process's CPU seconds so far; None if it is not one (or gone)."""
         try:
             with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+                text = stat.read()
         except OSError:
             return None
+        name, _, rest = text.partition(" (")[2].rpartition(") ")
+        if name != "postgres":
+            return None
+        fields = rest.split()
         return (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
 
     def _poll(self, start_at: float) -> None:
@@ -389,10 +394,8 @@ class ServerCpu:
                     (self._database,),
                 ).fetchall()
                 for (pid,) in rows:
-                    cpu = self._cpu(pid)
-                    if cpu is None:
-                        if pid not in self._first:
-                            self._unreadable = True
+                    cpu = self.cpu(pid)
+                    if cpu is None:  # exited since the query, or not a local backend
                         continue
                     self._first.setdefault(pid, cpu)
                     self._last[pid] = cpu

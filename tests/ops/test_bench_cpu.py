@@ -8,6 +8,7 @@ are tested here; the timings themselves never are.
 
 from __future__ import annotations
 
+import os
 import time
 
 import psycopg
@@ -78,6 +79,12 @@ def test_the_server_cpu_counted_is_the_databases_work_after_the_start(postgres_u
     dsn = sa.make_url(postgres_url).set(drivername="postgresql").render_as_string(False)
     conn = psycopg.connect(dsn, autocommit=True)
     try:
+        # Only a local PostgreSQL process is read (a remote server's ids mean nothing here).
+        reader = harness.ServerCpu(POSTGRES_URL, postgres_url)
+        (backend,) = conn.execute("SELECT pg_backend_pid()").fetchone() or (None,)
+        assert isinstance(reader.cpu(backend), float)
+        assert reader.cpu(os.getpid()) is None
+
         # Work after the start is counted.
         counted = harness.ServerCpu(POSTGRES_URL, postgres_url)
         counted.start(time.monotonic())
