@@ -211,7 +211,7 @@ def main() -> int:
     cpu = report.cpu_table(ctx.out.rows, cores)
     if cpu:
         print("\nCPU per operation (clients and database server), and the ceiling it sets:\n")
-        print(report.render_cpu(cpu, cores))
+        print(report.render_cpu(cpu))
     for line in ctx.skipped:
         print(line)
     document = {

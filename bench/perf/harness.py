@@ -319,11 +319,11 @@ def begin() -> tuple[float, float]:
     return time.monotonic(), cpu_seconds()
 
 
-def span(ops: int, begun: tuple[float, float], **more: Any) -> dict[str, Any]:
+def span(ops: int, begun: tuple[float, float]) -> dict[str, Any]:
     """A client's report: ``ops`` since ``begin()``, with the CPU the span took."""
     started, cpu_started = begun
     ended, cpu = time.monotonic(), cpu_seconds()
-    return {"ops": ops, "started": started, "ended": ended, "cpu_s": cpu - cpu_started, **more}
+    return {"ops": ops, "started": started, "ended": ended, "cpu_s": cpu - cpu_started}
 
 
 class ServerCpu:

@@ -25,8 +25,10 @@ as ``unsent``, and how far it fell behind as ``behind_ms``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -118,27 +120,29 @@ def outbox_latency(
             box.close()
     seen: dict[str, float] = {}
     claims: dict[str, float] = {}
-    _time_claims(claims)
     engine = db.create_engine(config, url=url)
     registry = adapters.Registry([_Recording("helpdesk", seen)])
     dispatcher = Dispatcher(engine, registry, config, worker_id="bench-latency")
     ready = threading.Event()
-    thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready}, daemon=True)
-    thread.start()
-    ready.wait(10)
-    harness.wait_until(end_at + DRAIN_S)
-    dispatcher.request_stop()
-    thread.join(15)
+    with _claims_timed(claims):
+        thread = threading.Thread(target=dispatcher.run, kwargs={"ready": ready}, daemon=True)
+        thread.start()
+        ready.wait(10)
+        harness.wait_until(end_at + DRAIN_S)
+        dispatcher.request_stop()
+        thread.join(15)
     dispatcher.close()
     engine.dispose()
     return {"seen": seen, "claims": claims}
 
 
-def _time_claims(claims: dict[str, float]) -> None:
+@contextlib.contextmanager
+def _claims_timed(claims: dict[str, float]) -> Iterator[None]:
     """Note how long the claim that took each row ran (``store.claim_due``: the
     statement that claims it and commits its attempt row, and the Python around
     it), so a delivery's latency splits into the claim and what follows it. The
-    wrapper adds one call a pass."""
+    wrapper adds one call a pass, and is gone after: the client process serves
+    the run's later cases."""
     from outbox.delivery import store
 
     claim_due = store.claim_due
@@ -152,6 +156,10 @@ def _time_claims(claims: dict[str, float]) -> None:
         return claim
 
     store.claim_due = timed
+    try:
+        yield
+    finally:
+        store.claim_due = claim_due
 
 
 # --- raw INSERT + NOTIFY ------------------------------------------------------------

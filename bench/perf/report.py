@@ -315,10 +315,11 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
     is claimed, each on its own server process), so only the cores bound it. On
     SQLite everything runs in the dispatcher's process, one core at a time (its
     threads share the interpreter's lock and the database's one writer; its CPU per
-    effect equals its wall time per effect), so a process is one stream. The ceiling divided by the baseline's measured rate in
-    the same run is the best ratio this CPU per operation allows: a target above it
-    cannot be met without spending less CPU per operation, whatever else changes.
-    SQLite runs inside the client: its work is in the client's figure.
+    effect equals its wall time per effect), so a process is one stream. The ceiling
+    divided by the baseline's measured rate in the same run is the best ratio this
+    CPU per operation allows: a target above it cannot be met without spending less
+    CPU per operation, whatever else changes. SQLite runs inside the client: its
+    work is in the client's figure.
     """
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     measured: dict[tuple[str, str, str, str], list[float]] = {}
@@ -363,7 +364,7 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
     return table
 
 
-def render_cpu(table: list[dict[str, Any]], cores: int) -> str:
+def render_cpu(table: list[dict[str, Any]]) -> str:
     head = [
         "case",
         "db",

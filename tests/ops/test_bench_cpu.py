@@ -49,7 +49,7 @@ def test_a_loop_that_waits_is_bounded_per_stream_and_the_dispatcher_by_the_cores
     # Four waiting clients on two cores: the cores bound them.
     assert table["create", "outbox"]["ceiling"] == pytest.approx(2e6 / 1000)
     assert table["create", "outbox"]["ceiling_ratio"] == pytest.approx(2_000 / 2_800)
-    rendered = report.render_cpu(report.cpu_table(rows, cores=2), cores=2)
+    rendered = report.render_cpu(report.cpu_table(rows, cores=2))
     assert "| dispatch | postgres | processes=1 | outbox | 50.0 | 100 | 150 | 9,000 |" in rendered
 
 
@@ -66,7 +66,7 @@ def test_sqlite_work_is_the_clients_and_a_measurement_without_cpu_has_no_row() -
     assert [(e["db"], e["system"]) for e in table] == [("sqlite", "outbox"), ("sqlite", "raw")]
     assert table[0]["server_cpu_us"] is None
     assert table[0]["ceiling"] == pytest.approx(1e6 / 120)  # one process, one core
-    assert "(in client)" in report.render_cpu(table, cores=2)
+    assert "(in client)" in report.render_cpu(table)
 
 
 def test_a_report_gives_the_cpu_per_operation_of_all_its_clients() -> None:
@@ -147,3 +147,15 @@ def _until_polled(sampler: harness.ServerCpu) -> None:
             return
         time.sleep(0.005)
     raise AssertionError("the sampler stopped polling")
+
+
+def test_the_latency_case_times_claims_only_while_it_runs() -> None:
+    """The client processes serve the run's later cases (the RSS drain among them):
+    the claim timer must not stay wrapped around ``claim_due``, nor wrap itself."""
+    from bench.perf import latency
+    from outbox.delivery import store
+
+    original = store.claim_due
+    with latency._claims_timed({}):
+        assert store.claim_due is not original
+    assert store.claim_due is original
