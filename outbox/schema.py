@@ -489,8 +489,7 @@ NOTIFY_CHANNEL = "outbox_pending"
 # dispatcher busy) or with none running, a create's commit takes no notify lock. A
 # dispatcher counts itself in under WAKEUP_LOCK exclusive, which waits for the
 # creates that read the count before it, and then looks once more before it sleeps:
-# a create that saw zero has committed by then. A dispatcher that dies counted in
-# leaves the count high, which only costs notifications. Migration 0008.
+# a create that saw zero has committed by then. Migration 0008.
 WAKEUP_LOCK = 726374  # an advisory lock key (db.upgrade's is 726373)
 dispatch_wakeup = sa.Table(
     "dispatch_wakeup",
@@ -498,6 +497,21 @@ dispatch_wakeup = sa.Table(
     sa.Column("id", sa.SmallInteger(), primary_key=True, autoincrement=False),
     sa.Column("sleepers", sa.Integer(), nullable=False, server_default="0"),
     sa.CheckConstraint("id = 1", name="one_row"),
+)
+
+# Who is counted in (migration 0009): one row per sleeping dispatcher, keyed by the
+# backend pid of its LISTEN connection and that backend's start (pids are reused).
+# Every count-in and count-out, under WAKEUP_LOCK exclusive, deletes the rows whose
+# backend is gone and sets ``dispatch_wakeup.sleepers`` to the rows left, so a
+# dispatcher killed while counted in stops costing notifications at the next
+# count-in of any dispatcher.
+dispatch_sleepers = sa.Table(
+    "dispatch_sleepers",
+    metadata,
+    sa.Column("pid", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("backend_start", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("worker", sa.String(200), nullable=False),
+    sa.Column("since", sa.DateTime(timezone=True), nullable=False),
 )
 
 

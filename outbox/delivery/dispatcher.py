@@ -1006,10 +1006,17 @@ class Dispatcher:
                     continue
                 if once:
                     break
-                listening = self._listening.is_set()
-                if gate is not None and not gate.counted and listening and gate.count_in():
-                    # One more pass before sleeping: the creates that saw no
-                    # sleeper, and so sent no NOTIFY, have committed by now.
+                # One more pass before sleeping once counted in: the creates that saw
+                # no sleeper, and so sent no NOTIFY, have committed by now. A new
+                # LISTEN connection is a new backend pid: count in again under it.
+                pid = None if listener is None else listener.backend_pid
+                if (
+                    gate is not None
+                    and pid is not None
+                    and gate.pid != pid
+                    and self._listening.is_set()
+                    and gate.count_in(pid)
+                ):
                     continue
                 # A wake-up, a NOTIFY on the LISTEN connection, or the poll interval
                 # (while LISTEN is down, its next attempt if that comes first).

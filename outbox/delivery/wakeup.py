@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+import sqlalchemy as sa
+
 from outbox import db, schema
 
 logger = logging.getLogger("outbox.dispatcher")
@@ -124,6 +126,11 @@ class Listener:
             self._connect()
         return None if self._conn is None else int(self._conn.fileno())
 
+    @property
+    def backend_pid(self) -> int | None:
+        """The LISTEN connection's backend at the server, while connected."""
+        return None if self._conn is None else int(self._conn.info.backend_pid)
+
     def retry_in(self) -> float | None:
         """While down: seconds until the next connection attempt (the loop waits no longer)."""
         if self._conn is not None:
@@ -192,37 +199,76 @@ class Gate:
     itself out while a backlog keeps it busy (its passes come back full), when
     no create needs to notify on its account.
 
+    A count-in writes this dispatcher's row in ``dispatch_sleepers``, keyed by the
+    backend pid of its LISTEN connection; every count-in and count-out deletes the
+    rows whose backend is gone and sets the count to the rows left. So a dispatcher
+    killed while counted in (its LISTEN connection dies with it) is dropped at the
+    next count-in of any dispatcher, instead of making every create notify for good.
+    A new LISTEN connection is a new pid: the loop counts out and in again.
+
     Errors lean to notifying too much: a count-in whose outcome is unknown is
     not believed (the loop sleeps no longer than its poll interval, and counts
     in again next time: at worst one too many), and a count-out is believed
-    whether or not it committed (at worst the count stays one too high).
+    whether or not it committed (at worst its row stays until this dispatcher
+    counts in again, or its LISTEN connection ends).
     """
 
-    _LOCK = f"SELECT pg_advisory_xact_lock({schema.WAKEUP_LOCK})"
-    _IN = "UPDATE dispatch_wakeup SET sleepers = sleepers + 1 WHERE id = 1"
-    _OUT = "UPDATE dispatch_wakeup SET sleepers = GREATEST(sleepers - 1, 0) WHERE id = 1"
+    _LOCK = sa.text(f"SELECT pg_advisory_xact_lock({schema.WAKEUP_LOCK})")
+    # A row whose backend has ended, or whose pid now belongs to a later backend.
+    # ``backend_start`` is NULL in other roles' rows without pg_read_all_stats:
+    # then a live pid is trusted (a reused one costs notifications, no more).
+    _PRUNE = sa.text(
+        "DELETE FROM dispatch_sleepers AS s WHERE s.pid = :pid OR NOT EXISTS ("
+        "SELECT 1 FROM pg_stat_activity AS a WHERE a.pid = s.pid"
+        " AND (a.backend_start IS NULL OR a.backend_start = s.backend_start))"
+    )
+    _IN = sa.text(
+        "INSERT INTO dispatch_sleepers (pid, backend_start, worker, since)"
+        " SELECT a.pid, a.backend_start, :worker, now() FROM pg_stat_activity AS a"
+        " WHERE a.pid = :pid"
+    )
+    _COUNT = sa.text(
+        "UPDATE dispatch_wakeup SET sleepers = (SELECT count(*) FROM dispatch_sleepers)"
+        " WHERE id = 1"
+    )
 
     def __init__(self, engine: Any, *, worker: str) -> None:
         self._engine = engine
         self._worker = worker
         self.counted = False
+        self.pid: int | None = None  # the LISTEN backend counted in, while counted
 
-    def count_in(self) -> bool:
-        """True when counted in: then a NOTIFY will come for any later create."""
+    def count_in(self, pid: int) -> bool:
+        """True when counted in: then a NOTIFY will come for any later create.
+
+        ``pid`` is the backend of the LISTEN connection the loop sleeps on; a
+        count-in for a pid that no longer runs is not believed.
+        """
+        if self.counted and self.pid != pid:
+            self.count_out()  # a new LISTEN connection: the old pid's row goes
         if not self.counted:
-            self.counted = self._update(self._LOCK, self._IN)
+            self.counted = self._update(pid, self._PRUNE, self._IN)
+            self.pid = pid if self.counted else None
         return self.counted
 
     def count_out(self) -> None:
         if self.counted:
-            self._update(self._OUT)
+            assert self.pid is not None
+            self._update(self.pid, self._PRUNE)
             self.counted = False
+            self.pid = None
 
-    def _update(self, *statements: str) -> bool:
+    def _update(self, pid: int, *statements: sa.TextClause) -> bool:
+        params = {"pid": pid, "worker": self._worker}
+        written = True
         try:
             with db.write(self._engine) as conn:
-                for sql in statements:
-                    conn.exec_driver_sql(sql)
+                conn.execute(self._LOCK)
+                for statement in statements:
+                    result = conn.execute(statement, params)
+                    if statement is self._IN:
+                        written = result.rowcount == 1
+                conn.execute(self._COUNT)
         except Exception:
             logger.warning(
                 "could not update the wake-up gate; polling meanwhile",
@@ -230,4 +276,4 @@ class Gate:
                 extra={"worker": self._worker},
             )
             return False
-        return True
+        return written

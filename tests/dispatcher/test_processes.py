@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 
 import adapters
 from fake_provider import DropMode, FaultSpec, Mode, ProviderConfig, create_app
-from outbox import db, schema
+from outbox import db, schema, settings
 from outbox.delivery import store
 from outbox.states import AttemptOutcome, EffectStatus, Reason
 from tests.dispatcher.support import attempts, row, rows, seed, statuses
@@ -380,3 +380,52 @@ def test_sigterm_releases_an_in_flight_row_as_possibly_sent(engine, db_url, tmp_
     (a,) = attempts(engine, effect_id)
     assert (a.outcome, a.late, a.worker) == (AttemptOutcome.ABANDONED, False, "stopping")
     assert a.finished_at is not None
+
+
+# --- kill -9 while asleep: the wake-up's gate heals ------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_dispatcher_killed_asleep_stops_costing_notifications(postgres_url, tmp_path) -> None:
+    """A dispatcher killed while counted in to the wake-up's gate (PostgreSQL) leaves
+    its row; the next dispatcher's count-in drops it, so once that one stops, creates
+    notify nobody. Before migration 0009 the count stayed one too high for good."""
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    db_url = postgres_url
+    try:
+
+        def counted() -> list[tuple[int, str]]:
+            with db.read(engine) as conn:
+                return [
+                    (r.pid, r.worker)
+                    for r in conn.execute(sa.select(schema.dispatch_sleepers)).all()
+                ]
+
+        def sleepers() -> int:
+            with db.read(engine) as conn:
+                return int(conn.execute(sa.select(schema.dispatch_wakeup.c.sleepers)).scalar_one())
+
+        def gone(pid: int) -> bool:
+            with db.read(engine) as conn:
+                return not conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s", {"pid": pid}
+                ).scalar_one()
+
+        toml = adapters_file(tmp_path, "http://127.0.0.1:9", honours=True)  # nothing is sent
+        with children(tmp_path, db_url, toml) as kids:
+            killed = kids.start("--worker-id", "killed", poll_interval="60s")
+            wait_for(lambda: [w for _, w in counted()] == ["killed"], 30, "killed counts in")
+            ((dead_pid, _),) = counted()
+            killed.kill()
+            killed.wait(10)
+            wait_for(lambda: gone(dead_pid), 10, "its LISTEN backend ends")
+            assert sleepers() == 1  # nobody counted it out
+
+            stopped = kids.start("--worker-id", "stopped", poll_interval="60s")
+            wait_for(lambda: [w for _, w in counted()] == ["stopped"], 30, "the next counts in")
+            assert sleepers() == 1
+            stopped.send_signal(signal.SIGTERM)
+            assert stopped.wait(PATIENCE_S) == 0, kids.logs()
+            assert (sleepers(), counted()) == (0, [])
+    finally:
+        engine.dispose()

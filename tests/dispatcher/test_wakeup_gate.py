@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -86,7 +87,8 @@ def test_counting_in_waits_for_a_create_that_saw_no_sleeper(postgres_url: str, c
         )
         creating.start()
         gate = wakeup.Gate(box.engine, worker="w1")
-        counting = threading.Thread(target=gate.count_in)
+        pid = listener.info.backend_pid  # the LISTEN connection it would sleep on
+        counting = threading.Thread(target=gate.count_in, args=(pid,))
         try:
             assert inside.wait(PATIENCE_S)  # its row is written, the gate's row share-locked
             counting.start()
@@ -125,9 +127,9 @@ def test_a_dispatcher_counts_out_under_a_backlog_and_in_again_before_it_sleeps(
     calls: list[str] = []
     real_in, real_out = wakeup.Gate.count_in, wakeup.Gate.count_out
 
-    def count_in(self: wakeup.Gate) -> bool:
+    def count_in(self: wakeup.Gate, pid: int) -> bool:
         calls.append("in")
-        return real_in(self)
+        return real_in(self, pid)
 
     def count_out(self: wakeup.Gate) -> None:
         if self.counted:
@@ -182,11 +184,11 @@ def test_a_row_committed_just_before_the_count_in_is_found_by_the_look_after_it(
     real_in = wakeup.Gate.count_in
     raced: list[int] = []
 
-    def count_in(self: wakeup.Gate) -> bool:
+    def count_in(self: wakeup.Gate, pid: int) -> bool:
         if not raced:
             assert _sleepers(pg_engine) == 0
             raced.extend(seed(pg_engine, 1, now=schema.utcnow(), prefix="race"))
-        return real_in(self)
+        return real_in(self, pid)
 
     monkeypatch.setattr(wakeup.Gate, "count_in", count_in)
     delivered = threading.Event()
@@ -207,3 +209,119 @@ def test_a_row_committed_just_before_the_count_in_is_found_by_the_look_after_it(
         thread.join(PATIENCE_S)
         dispatcher.close()
     assert raced and statuses(pg_engine) == {"succeeded": 1}
+
+
+# --- a dispatcher that dies counted in ---------------------------------------------------
+
+
+def _counted(engine: Engine) -> set[int]:
+    """The LISTEN backends counted in (``dispatch_sleepers``)."""
+    with db.read(engine) as conn:
+        return set(conn.execute(sa.select(schema.dispatch_sleepers.c.pid)).scalars())
+
+
+def _gone(engine: Engine, pid: int) -> bool:
+    with db.read(engine) as conn:
+        return not conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s", {"pid": pid}
+        ).scalar_one()
+
+
+def test_a_dispatcher_that_died_counted_in_is_dropped_at_the_next_count_in(
+    postgres_url: str, clock
+) -> None:
+    """0008 kept a bare count: a dispatcher killed while counted in left it high for
+    good, and every create notified from then on. Its LISTEN connection dies with it;
+    the next count-in of any dispatcher drops its row and recounts."""
+    with Outbox(postgres_url, clock=clock) as box, notify.listener(postgres_url) as listener:
+        box.create_tenant("acme")
+        dead = notify.listener(postgres_url)  # the LISTEN connection of one that dies
+        dead_pid = dead.info.backend_pid
+        assert wakeup.Gate(box.engine, worker="dies").count_in(dead_pid)
+        assert (_sleepers(box.engine), _counted(box.engine)) == (1, {dead_pid})
+        dead.close()  # killed: no count-out, and its backend ends
+        until(lambda: _gone(box.engine, dead_pid), "the dead dispatcher's backend ends")
+        box.execute("acme", "op-1", TOOL, {"subject": "s"})
+        assert notify.notifications(listener, postgres_url) == 1  # still counted: it costs
+
+        alive = wakeup.Gate(box.engine, worker="lives")
+        assert alive.count_in(listener.info.backend_pid)
+        assert (_sleepers(box.engine), _counted(box.engine)) == (1, {listener.info.backend_pid})
+        alive.count_out()
+        assert (_sleepers(box.engine), _counted(box.engine)) == (0, set())
+        box.execute("acme", "op-2", TOOL, {"subject": "s"})
+        assert notify.notifications(listener, postgres_url) == 0  # nobody sleeps: no NOTIFY
+
+
+def test_a_row_whose_pid_now_belongs_to_a_later_backend_is_dropped(postgres_url: str) -> None:
+    """Pids are reused: a row counts only while its backend is the one that started
+    when it was written."""
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        with notify.listener(postgres_url) as reused, notify.listener(postgres_url) as own:
+            with db.write(engine) as conn:
+                conn.execute(
+                    sa.insert(schema.dispatch_sleepers).values(
+                        pid=reused.info.backend_pid,
+                        backend_start=schema.utcnow() - timedelta(days=3),
+                        worker="long-gone",
+                        since=schema.utcnow() - timedelta(days=3),
+                    )
+                )
+                conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=1))
+            gate = wakeup.Gate(engine, worker="w1")
+            assert gate.count_in(own.info.backend_pid)
+            assert (_sleepers(engine), _counted(engine)) == (1, {own.info.backend_pid})
+    finally:
+        engine.dispose()
+
+
+def test_a_count_in_for_a_backend_that_ended_is_not_believed(postgres_url: str) -> None:
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        ended = notify.listener(postgres_url)
+        pid = ended.info.backend_pid
+        ended.close()
+        until(lambda: _gone(engine, pid), "the backend ends")
+        gate = wakeup.Gate(engine, worker="w1")
+        assert not gate.count_in(pid)
+        assert (gate.counted, gate.pid) == (False, None)
+        assert (_sleepers(engine), _counted(engine)) == (0, set())
+    finally:
+        engine.dispose()
+
+
+def test_a_new_listen_connection_counts_in_again_under_its_own_pid(
+    pg_engine: Engine,
+) -> None:
+    """The LISTEN connection is lost (here: terminated) and connected again, as a new
+    backend: the dispatcher counts the old pid out and the new one in, and the next
+    create wakes it (the poll is a long way off)."""
+    delivered = threading.Event()
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.set()
+        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
+
+    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step])
+    config = settings.load(**{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10})
+    dispatcher = Dispatcher(pg_engine, adapters.Registry([adapter]), config, worker_id="w1")
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        until(lambda: bool(_counted(pg_engine)), "the idle dispatcher counts itself in")
+        (old,) = _counted(pg_engine)
+        with db.read(pg_engine) as conn:
+            assert conn.exec_driver_sql("SELECT pg_terminate_backend(%(p)s)", {"p": old}).scalar()
+        until(
+            lambda: len(c := _counted(pg_engine)) == 1 and old not in c,
+            "counted in again under the new LISTEN connection",
+        )
+        assert _sleepers(pg_engine) == 1
+        seed(pg_engine, 1, now=schema.utcnow(), prefix="after")
+        assert delivered.wait(PATIENCE_S), "the row waited for the poll: a lost wake-up"
+    finally:
+        dispatcher.request_stop()
+        thread.join(PATIENCE_S)
+        dispatcher.close()
+    assert (_sleepers(pg_engine), _counted(pg_engine)) == (0, set())
