@@ -225,7 +225,8 @@ def run(ctx: Any) -> None:
             if backend == "postgres" and not ctx.quick:
                 variants.append(("floor", 2))
                 # Scaling: throughput must not fall as dispatcher processes are added.
-                variants += [("outbox", 4), ("outbox", 8)]
+                # Raw beside it: past the cores, does the host's own loop fall too?
+                variants += [("outbox", 4), ("outbox", 8), ("raw", 4), ("raw", 8)]
             for system, processes in harness.rotated(variants, rep):
                 _measure(ctx, rep, backend, system, processes, seconds)
 
