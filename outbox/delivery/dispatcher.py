@@ -342,17 +342,25 @@ class Dispatcher:
         """Claim one batch, deliver it, record the results. Returns the rows handled."""
         return self._run_pass(now, detach=False)
 
-    def _run_pass(self, now: datetime | None, *, detach: bool, behind: bool = False) -> int:
+    def _run_pass(
+        self,
+        now: datetime | None,
+        *,
+        detach: bool,
+        behind: bool = False,
+        pinned: db.Pinned | None = None,
+    ) -> int:
         """One pass. ``detach`` (the ``run()`` loop): once only slow sends are left, stop
         waiting for them (a collector thread records them) so the next claim can serve
         the other adapters. ``behind``: the last batch of results is written by the
-        recorder thread (``_record_behind``) and the pass returns without waiting."""
+        recorder thread (``_record_behind``) and the pass returns without waiting.
+        ``pinned``: the connection the claim runs on (``run``'s loop), else the pool's."""
         if self._stop.is_set():
             return 0
         # Read before the claim, so the lease surely lasts until this + lease.
         claim_began = time.monotonic()
         params = self._claim_params(now)
-        claim = store.claim_due(self.engine, params, self._admit)
+        claim = store.claim_due(self.engine, params, self._admit, pinned=pinned)
         self._more_due = len(claim.effects) + claim.expired + claim.skipped >= params.limit
         if claim.expired:
             logger.info(
@@ -970,6 +978,8 @@ class Dispatcher:
             )
         # With LISTEN, creates notify only while some dispatcher sleeps (the gate).
         gate = None if listener is None else wakeup.Gate(self.engine, worker=self.worker_id)
+        # The loop's claim runs on a connection it holds (PostgreSQL), not the pool's.
+        pinned = db.Pinned(self.engine) if self.engine.dialect.name == "postgresql" else None
         self._wake.open()
         handled = 0
         failures = 0
@@ -981,7 +991,9 @@ class Dispatcher:
                 if listener is not None:
                     listener.drain()  # this pass covers the rows they announced
                 try:
-                    count = self._run_pass(None, detach=not once, behind=self._write_behind)
+                    count = self._run_pass(
+                        None, detach=not once, behind=self._write_behind, pinned=pinned
+                    )
                     failures = 0
                 except Exception:
                     # The database blinked (or a bug hit one pass): keep the
@@ -1042,6 +1054,8 @@ class Dispatcher:
                 gate.count_out()
             if listener is not None:
                 listener.close()
+            if pinned is not None:
+                pinned.close()
             self._wake.close()
         return handled
 

@@ -203,6 +203,8 @@ def claim_due(
     engine: Engine,
     params: ClaimParams,
     admit: Callable[[Candidate, datetime], bool] | None = None,
+    *,
+    pinned: db.Pinned | None = None,
 ) -> Claim:
     """Claim up to ``params.limit`` due rows and open one attempt for each before any send.
 
@@ -215,6 +217,8 @@ def claim_due(
     PostgreSQL, with ``params.unsettled_adapters`` given, first attempts are
     claimed before them by one statement that commits alone, and the two
     steps run only if other due rows were seen, for the rest of the batch.
+    That statement runs on ``pinned``'s connection when one is given (the
+    dispatcher's loop holds one), else on one from the pool.
     """
     admitted = False  # admit() keeps counts in memory: a second try must not repeat it
     # The common pass: the current clock, no adapter held back.
@@ -230,7 +234,7 @@ def claim_due(
     first: list[Claimed] = []
     first_now: datetime | None = None
     if common and engine.dialect.name == "postgresql" and params.unsettled_adapters is not None:
-        first, first_now, others = _claim_first_attempts(engine, params, admitted_by)
+        first, first_now, others = _claim_first_attempts(engine, params, admitted_by, pinned)
         if not others or len(first) >= params.limit:
             return Claim(first, 0, 0, first_now if first else None)
         # Due rows that need a decision remain: the two steps, for the rest of the batch.
@@ -380,7 +384,10 @@ def _claim_first_sql(limit: int) -> str:
 
 
 def _claim_first_attempts(
-    engine: Engine, params: ClaimParams, admitted_by: Callable[[Candidate, datetime], bool]
+    engine: Engine,
+    params: ClaimParams,
+    admitted_by: Callable[[Candidate, datetime], bool],
+    pinned: db.Pinned | None = None,
 ) -> tuple[list[Claimed], datetime, bool]:
     """The one-statement claim: (claimed rows, the database's now, other due rows seen)."""
     assert params.unsettled_adapters is not None
@@ -390,9 +397,13 @@ def _claim_first_attempts(
         "lease": params.lease,
         "unsettled": sorted(params.unsettled_adapters),
     }
+
     # Safe to run twice: a claim whose reply was lost holds its rows only until
     # their lease ends, as a claim whose process died does.
-    rows = db.autocommit(engine, lambda conn: db.driver_execute(conn, sql, statement).fetchall())
+    def body(conn: db.Direct) -> Any:
+        return db.driver_execute(conn, sql, statement).fetchall()
+
+    rows = pinned.autocommit(body) if pinned is not None else db.autocommit(engine, body)
     now: datetime = rows[0][-1].astimezone(UTC)
     others = False
     claimed: list[Claimed] = []

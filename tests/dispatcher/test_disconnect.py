@@ -163,3 +163,28 @@ def test_the_listen_connection_comes_back_and_wakes_the_loop(engine, make_dispat
         _wait_for_count(delivered, 2)
         assert 1 <= len(passes) - before <= 4, f"{len(passes) - before} passes for one NOTIFY"
     _all_delivered(engine, ids)
+
+
+def test_the_loop_claims_on_one_held_connection_and_gives_it_back(
+    engine, make_dispatcher, monkeypatch
+) -> None:
+    """``run()``'s claims skip the pool's checkout and return (``db.Pinned``): every pass
+    claims on one connection, which goes back to the pool when the loop stops."""
+    used: list[int] = []
+    real = db.Pinned.autocommit
+
+    def noted(self: db.Pinned, body: Any) -> Any:
+        result = real(self, body)
+        assert self._held is not None
+        used.append(id(self._held.connection.dbapi_connection))
+        return result
+
+    monkeypatch.setattr(db.Pinned, "autocommit", noted)
+    delivered, step = _delivering()
+    dispatcher = make_dispatcher(fake(*[step] * 6), poll_interval=0.2)
+    with _looping(engine, dispatcher) as (other, _thread):
+        for wave in range(3):
+            seed(other, 2, now=schema.utcnow(), prefix=f"w{wave}")
+            _wait_for_count(delivered, 2 * (wave + 1))
+    assert len(used) >= 3 and len(set(used)) == 1
+    assert engine.pool.checkedout() == 0
