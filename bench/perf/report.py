@@ -170,14 +170,16 @@ def build(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif base_system is not None:
             base_key = (case, db, base_variant or variant, base_system, metric)
         extra = extras[(case, db, variant, system)]
-        table.append(_entry(figure, value, base_key, None, medians, extra))
+        entry = _entry(figure, value, base_key, None, medians, extra)
+        table.append(_with_spread(entry, groups, base_key))
         if system != "outbox":
             continue
         for other in ALSO_VS.get(case, ()):
             vs_key = (case, db, variant, other, metric)
             # Printed when measured, and when a target needs it (then missed, not left out).
             if vs_key in medians or any(_vs(t) == other and _applies(t, *figure) for t in TARGETS):
-                table.append(_entry(figure, value, vs_key, other, medians, extra))
+                entry = _entry(figure, value, vs_key, other, medians, extra)
+                table.append(_with_spread(entry, groups, vs_key))
     order = list(METRICS)
     table.sort(
         key=lambda e: (
@@ -229,6 +231,38 @@ def _entry(
     return entry
 
 
+def rep_ratios(
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]],
+    key: tuple[str, str, str, str, str],
+    base_key: tuple[str, str, str, str, str],
+) -> list[float]:
+    """The figure over its baseline's, repetition by repetition (the same ``rep`` of an
+    interleaved run): how far one repetition's ratio strays from the medians'."""
+    metric = key[4]
+
+    def by_rep(k: tuple[str, str, str, str, str]) -> dict[Any, float]:
+        return {
+            m["rep"]: float(m[metric])
+            for m in groups.get(k[:4], [])
+            if "rep" in m and isinstance(m.get(metric), int | float)
+        }
+
+    mine, base = by_rep(key), by_rep(base_key)
+    return [mine[r] / base[r] for r in sorted(mine) if base.get(r)]
+
+
+def _with_spread(
+    entry: dict[str, Any],
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]],
+    base_key: tuple[str, str, str, str, str] | None,
+) -> dict[str, Any]:
+    """``entry`` with ``rep_ratios``, when it has a ratio to a baseline."""
+    if entry["ratio"] is not None and base_key is not None:
+        key = (entry["case"], entry["db"], entry["variant"], entry["system"], entry["metric"])
+        entry["rep_ratios"] = rep_ratios(groups, key, base_key)
+    return entry
+
+
 def _applies(target: Target, case: str, db: str, variant: str, system: str, metric: str) -> bool:
     if (target.case, target.db, target.system, target.metric) != (case, db, system, metric):
         return False
@@ -274,9 +308,28 @@ def _fmt(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+def _spread(ratios: list[float]) -> str:
+    """The lowest and highest per-repetition ratio: a target inside it is a coin toss."""
+    if len(ratios) < 2:
+        return "-"
+    return f"{min(ratios):.2f} to {max(ratios):.2f}x"
+
+
 def render(table: list[dict[str, Any]]) -> str:
     """A Markdown table (it is pasted into docs/performance.md as it is)."""
-    head = ["case", "db", "variant", "system", "figure", "median", "vs", "ratio", "target", "met"]
+    head = [
+        "case",
+        "db",
+        "variant",
+        "system",
+        "figure",
+        "median",
+        "vs",
+        "ratio",
+        "per rep",
+        "target",
+        "met",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in table:
         met = "" if e["met"] is None else ("PASS" if e["met"] else "**MISS**")
@@ -289,6 +342,7 @@ def render(table: list[dict[str, Any]]) -> str:
             _fmt(e["median"]),
             e["baseline"] or "-",
             f"{e['ratio']:.2f}x" if e["ratio"] is not None else "-",
+            _spread(e.get("rep_ratios") or []),
             e["target"],
             met,
         ]
