@@ -54,6 +54,20 @@ def _set_sleepers(engine: Engine, count: int) -> None:
         conn.execute(sa.update(schema.dispatch_wakeup).values(sleepers=count))
 
 
+def _dispatcher_polling_rarely(engine: Engine) -> tuple[Dispatcher, threading.Event]:
+    """A dispatcher whose poll is ten patiences away (only a NOTIFY, or the look after
+    counting in, delivers in time), and the event its one delivery sets."""
+    delivered = threading.Event()
+
+    def step(request: DeliveryRequest) -> DeliveryResult:
+        delivered.set()
+        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
+
+    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step])
+    config = settings.load(**{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10})
+    return Dispatcher(engine, adapters.Registry([adapter]), config, worker_id="w1"), delivered
+
+
 def test_the_trigger_notifies_only_while_a_dispatcher_is_counted_in(postgres_url: str, clock):
     with Outbox(postgres_url, clock=clock) as box, notify.listener(postgres_url) as listener:
         box.create_tenant("acme")
@@ -191,15 +205,7 @@ def test_a_row_committed_just_before_the_count_in_is_found_by_the_look_after_it(
         return real_in(self, pid)
 
     monkeypatch.setattr(wakeup.Gate, "count_in", count_in)
-    delivered = threading.Event()
-
-    def step(request: DeliveryRequest) -> DeliveryResult:
-        delivered.set()
-        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
-
-    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step])
-    config = settings.load(**{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10})
-    dispatcher = Dispatcher(pg_engine, adapters.Registry([adapter]), config, worker_id="w1")
+    dispatcher, delivered = _dispatcher_polling_rarely(pg_engine)
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
@@ -297,15 +303,7 @@ def test_a_new_listen_connection_counts_in_again_under_its_own_pid(
     """The LISTEN connection is lost (here: terminated) and connected again, as a new
     backend: the dispatcher counts the old pid out and the new one in, and the next
     create wakes it (the poll is a long way off)."""
-    delivered = threading.Event()
-
-    def step(request: DeliveryRequest) -> DeliveryResult:
-        delivered.set()
-        return DeliveryResult.delivered(f"T-{request.effect_id}", status_code=201)
-
-    adapter = FakeAdapter(name="helpdesk", capabilities=HONOURS, script=[step])
-    config = settings.load(**{**TEST_SETTINGS, "poll_interval": PATIENCE_S * 10})
-    dispatcher = Dispatcher(pg_engine, adapters.Registry([adapter]), config, worker_id="w1")
+    dispatcher, delivered = _dispatcher_polling_rarely(pg_engine)
     thread = threading.Thread(target=dispatcher.run)
     thread.start()
     try:
