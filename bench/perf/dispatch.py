@@ -11,8 +11,10 @@ with the same backlog: Outbox against it is what our schema costs on top of the
 loop. Peers: pgqueuer and procrastinate draining the same number of jobs with
 no-op handlers (PostgreSQL only).
 
-Each drain runs for a bounded window over a backlog larger than it can finish,
-so the figure is the steady-state rate, not a tail.
+Each drain runs until the backlog is empty or the window ends, and its rate is the
+effects done over its span. The slower loops run the whole window; the faster ones
+(raw, minimal, Outbox with 2 or more processes) empty the backlog first, so their
+figure is a whole drain's, start-up and last passes included.
 """
 
 from __future__ import annotations
