@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.perf import backlog, harness
+from bench.perf import backlog, dispatch, harness
 
 ADAPTER = "helpdesk"
 
@@ -93,18 +93,9 @@ def outbox_http(
     registry = adapters.load_registry(config.adapters)
     d = Dispatcher(engine, registry, config, worker_id=f"bench-http-{uuid.uuid4().hex[:6]}")
     try:
-        harness.wait_until(start_at)
-        begun = harness.begin()
-        # ``outbox dispatcher --once``'s loop (write-behind, the held claim connection),
-        # stopped at the window's end as SIGTERM stops it: the pass in progress is
-        # recorded, then it returns. Before: ``run_once()`` in a loop, which has neither.
-        stop = threading.Timer(max(0.0, end_at - begun[0]), d.request_stop)
-        stop.start()
-        try:
-            done = d.run(once=True)
-        finally:
-            stop.cancel()
-        return harness.span(done, begun)
+        # ``outbox dispatcher --once``'s loop (write-behind, the held claim connection).
+        # Before: ``run_once()`` in a loop, which has neither.
+        return dispatch.run_once_until(d, start_at, end_at)
     finally:
         d.close()
         registry.close()

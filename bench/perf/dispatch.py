@@ -180,21 +180,26 @@ def dispatcher(
     return Dispatcher(engine, registry, config, worker_id=f"bench-{uuid.uuid4().hex[:8]}")
 
 
+def run_once_until(d: Any, start_at: float, end_at: float) -> dict[str, Any]:
+    """``d.run(once=True)`` (``outbox dispatcher --once``: pass after pass until nothing
+    is due) from ``start_at``, stopped at ``end_at`` as SIGTERM stops it (the pass in
+    progress is recorded before it returns): the client's report (``harness.span``)."""
+    harness.wait_until(start_at)
+    begun = harness.begin()
+    stop = threading.Timer(max(0.0, end_at - begun[0]), d.request_stop)
+    stop.start()
+    try:
+        done = d.run(once=True)
+    finally:
+        stop.cancel()
+    return harness.span(done, begun)
+
+
 def outbox_drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
-    """``Dispatcher.run(once=True)`` (``outbox dispatcher --once``: pass after pass until
-    nothing is due), stopped at ``end_at`` as SIGTERM stops it (the pass in progress is
-    recorded before it returns)."""
+    """A drain with ``run_once_until``: the loop users run, with the no-op adapter."""
     d = dispatcher(url)
     try:
-        harness.wait_until(start_at)
-        begun = harness.begin()
-        stop = threading.Timer(max(0.0, end_at - begun[0]), d.request_stop)
-        stop.start()
-        try:
-            done = d.run(once=True)
-        finally:
-            stop.cancel()
-        return harness.span(done, begun)
+        return run_once_until(d, start_at, end_at)
     finally:
         d.close()
         d.adapters.close()

@@ -308,6 +308,13 @@ def _fmt(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (pasted into docs/performance.md as it is)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 def _spread(ratios: list[float]) -> str:
     """The lowest and highest per-repetition ratio: a target inside it is a coin toss."""
     if len(ratios) < 2:
@@ -330,7 +337,7 @@ def render(table: list[dict[str, Any]]) -> str:
         "target",
         "met",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for e in table:
         met = "" if e["met"] is None else ("PASS" if e["met"] else "**MISS**")
         cells = [
@@ -346,8 +353,8 @@ def render(table: list[dict[str, Any]]) -> str:
             e["target"],
             met,
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown(head, rows)
 
 
 # --- CPU per operation, and the ceiling it sets ------------------------------------
@@ -431,7 +438,7 @@ def render_cpu(table: list[dict[str, Any]]) -> str:
         "ceiling /s",
         "ceiling / raw's measured",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for e in table:
         cells = [
             e["case"],
@@ -445,5 +452,5 @@ def render_cpu(table: list[dict[str, Any]]) -> str:
             _fmt(e["ceiling"]),
             f"{e['ceiling_ratio']:.2f}x" if e["ceiling_ratio"] is not None else "-",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown(head, rows)

@@ -235,8 +235,11 @@ class Gate:
     def __init__(self, engine: Any, *, worker: str) -> None:
         self._engine = engine
         self._worker = worker
-        self.counted = False
         self.pid: int | None = None  # the LISTEN backend counted in, while counted
+
+    @property
+    def counted(self) -> bool:
+        return self.pid is not None
 
     def count_in(self, pid: int) -> bool:
         """True when counted in: then a NOTIFY will come for any later create.
@@ -244,30 +247,26 @@ class Gate:
         ``pid`` is the backend of the LISTEN connection the loop sleeps on; a
         count-in for a pid that no longer runs is not believed.
         """
-        if self.counted and self.pid != pid:
+        if self.pid != pid:
             self.count_out()  # a new LISTEN connection: the old pid's row goes
-        if not self.counted:
-            self.counted = self._update(pid, self._PRUNE, self._IN)
-            self.pid = pid if self.counted else None
+            if self._update(pid, enter=True):
+                self.pid = pid
         return self.counted
 
     def count_out(self) -> None:
-        if self.counted:
-            assert self.pid is not None
-            self._update(self.pid, self._PRUNE)
-            self.counted = False
+        if self.pid is not None:
+            self._update(self.pid, enter=False)
             self.pid = None
 
-    def _update(self, pid: int, *statements: sa.TextClause) -> bool:
+    def _update(self, pid: int, *, enter: bool) -> bool:
+        """Under the lock: drop the dead rows and ``pid``'s own, write it again when
+        ``enter``, and recount. False when that failed, or ``pid``'s backend has ended."""
         params = {"pid": pid, "worker": self._worker}
-        written = True
         try:
             with db.write(self._engine) as conn:
                 conn.execute(self._LOCK)
-                for statement in statements:
-                    result = conn.execute(statement, params)
-                    if statement is self._IN:
-                        written = result.rowcount == 1
+                conn.execute(self._PRUNE, params)
+                entered = enter and conn.execute(self._IN, params).rowcount == 1
                 conn.execute(self._COUNT)
         except Exception:
             logger.warning(
@@ -276,4 +275,4 @@ class Gate:
                 extra={"worker": self._worker},
             )
             return False
-        return written
+        return entered or not enter
