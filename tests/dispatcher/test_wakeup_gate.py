@@ -323,3 +323,51 @@ def test_a_new_listen_connection_counts_in_again_under_its_own_pid(
         thread.join(PATIENCE_S)
         dispatcher.close()
     assert (_sleepers(pg_engine), _counted(pg_engine)) == (0, set())
+
+
+def test_a_count_in_whose_reply_was_lost_is_written_once_when_it_runs_again(
+    postgres_url: str,
+) -> None:
+    """A count-in that committed but was not believed (its reply lost) runs again: it
+    deletes its own pid's row before writing it, so the count stays one."""
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        with notify.listener(postgres_url) as listening:
+            pid = listening.info.backend_pid
+            gate = wakeup.Gate(engine, worker="w1")
+            assert gate.count_in(pid)
+            gate.pid = None  # the reply was lost: the loop does not believe it
+            assert gate.count_in(pid)
+            assert (_sleepers(engine), _counted(engine)) == (1, {pid})
+    finally:
+        engine.dispose()
+
+
+def test_two_dispatchers_counting_in_at_once_are_both_counted(postgres_url: str) -> None:
+    """The lock serialises them: each recounts after the other's commit."""
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        with notify.listener(postgres_url) as one, notify.listener(postgres_url) as two:
+            gates = [wakeup.Gate(engine, worker=f"w{i}") for i in (1, 2)]
+            pids = [one.info.backend_pid, two.info.backend_pid]
+            start = threading.Barrier(2)
+            results: list[bool] = []
+
+            def count_in(gate: wakeup.Gate, pid: int) -> None:
+                start.wait(PATIENCE_S)
+                results.append(gate.count_in(pid))
+
+            threads = [
+                threading.Thread(target=count_in, args=pair)
+                for pair in zip(gates, pids, strict=True)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(PATIENCE_S)
+            assert results == [True, True]
+            assert (_sleepers(engine), _counted(engine)) == (2, set(pids))
+            gates[0].count_out()
+            assert (_sleepers(engine), _counted(engine)) == (1, {pids[1]})
+    finally:
+        engine.dispose()
