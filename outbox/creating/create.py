@@ -141,7 +141,11 @@ def new_effect_key() -> str:
 
 
 def encode_receipt(receipt: Mapping[str, Any]) -> str:
-    return json.dumps(receipt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _RECEIPT_JSON.encode(receipt)
+
+
+# One encoder for every receipt (``json.dumps`` with options builds one a call).
+_RECEIPT_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def execute(
@@ -348,9 +352,9 @@ def _pg_statement(
     """``_pg_create``'s SQL for these values, and its parameters named as it names them."""
     params = dict(record)
     for i, (_, row) in enumerate(rows):
-        params.update({f"r{i}_{name}": value for name, value in row.items()})
+        params.update(zip(_names(f"r{i}_", tuple(row)), row.values(), strict=True))
     for i, effect in enumerate(effects):
-        params.update({f"e{i}_{name}": value for name, value in effect.items()})
+        params.update(zip(_names(f"e{i}_", tuple(effect)), effect.values(), strict=True))
     sql = _pg_create(
         tuple(record),
         tuple((table, tuple(row)) for table, row in rows),
@@ -358,6 +362,12 @@ def _pg_statement(
         len(effects),
     )
     return sql, params
+
+
+@functools.lru_cache(maxsize=1024)
+def _names(prefix: str, columns: tuple[str, ...]) -> tuple[str, ...]:
+    """``_pg_create``'s parameter names for one row's columns (built once a shape)."""
+    return tuple(f"{prefix}{name}" for name in columns)
 
 
 _NEXT_IDS = (
@@ -586,7 +596,10 @@ def _record_and_effects(
     """The receipt, and the record's and the outbox rows' values as the driver takes them.
 
     Built as plain values at once (``db.driver_values``' job, done here for the
-    three instants every row shares: a create converts each once).
+    three instants every row shares: a create converts each once). An outbox
+    row's counters and flags (``attempts``, ``maybe_sent``, ``fence``,
+    ``needs_review``, ``lookup_attempts``) start at their columns' defaults
+    (0 and false), written by the database: five parameters fewer an effect.
     """
     now = request.now
     when = schema.sqlite_time if backend == "sqlite" else _same
@@ -618,18 +631,13 @@ def _record_and_effects(
         {
             "effect": effect.effect,
             "adapter": effect.adapter,
-            "payload": digest.canonical_json(dict(effect.payload)).decode("utf-8"),
+            "payload": digest.canonical_text(dict(effect.payload)),
             "effect_key": new_effect_key(),
             "status": _HELD if held else _PENDING,
             "reason": _AWAITING_APPROVAL if held else _CREATED,
-            "attempts": 0,
-            "maybe_sent": False,
             "next_attempt_at": created,
             "deadline_at": when(now + effect.deadline) if effect.deadline else default_deadline,
             "ordering_key": _ordering_key(effect.ordering_key),
-            "fence": 0,
-            "needs_review": False,
-            "lookup_attempts": 0,
             "created_at": created,
             "updated_at": created,
         }

@@ -25,9 +25,18 @@ from typing import Any
 
 
 def canonical_json(value: Any) -> bytes:
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return canonical_text(value).encode("utf-8")
+
+
+def canonical_text(value: Any) -> str:
+    """``canonical_json`` as text (how an outbox row stores its payload)."""
+    return _CANONICAL.encode(value)
+
+
+# One encoder for every call: ``json.dumps`` with options builds a new one each time.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
 
 
 def args_digest(tool: str, payload_version: int, arguments: Mapping[str, Any]) -> str:
