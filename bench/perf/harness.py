@@ -314,16 +314,29 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def begin() -> tuple[float, float]:
-    """A client's timed span starts: (monotonic clock, CPU seconds)."""
-    return time.monotonic(), cpu_seconds()
+def preemptions() -> int:
+    """How often the kernel has taken the CPU from this process while it could run."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
-def span(ops: int, begun: tuple[float, float]) -> dict[str, Any]:
-    """A client's report: ``ops`` since ``begin()``, with the CPU the span took."""
-    started, cpu_started = begun
-    ended, cpu = time.monotonic(), cpu_seconds()
-    return {"ops": ops, "started": started, "ended": ended, "cpu_s": cpu - cpu_started}
+def begin() -> tuple[float, float, int]:
+    """A client's timed span starts: (monotonic clock, CPU seconds, preemptions)."""
+    return time.monotonic(), cpu_seconds(), preemptions()
+
+
+def span(ops: int, begun: tuple[float, float, int]) -> dict[str, Any]:
+    """A client's report: ``ops`` since ``begin()``, with the CPU the span took and
+    how often the client was preempted in it (a process that loses its core
+    mid-call comes back to cold caches: more CPU for the same work)."""
+    started, cpu_started, preempted_before = begun
+    ended, cpu, preempted = time.monotonic(), cpu_seconds(), preemptions()
+    return {
+        "ops": ops,
+        "started": started,
+        "ended": ended,
+        "cpu_s": cpu - cpu_started,
+        "preempted": preempted - preempted_before,
+    }
 
 
 class ServerCpu:
@@ -411,12 +424,15 @@ def wait_until(start_at: float) -> None:
 
 
 def cpu_per_op(reports: list[dict[str, Any]], server: ServerCpu | None = None) -> dict[str, float]:
-    """``client_cpu_us`` (the clients' CPU per operation) and, where the server's
+    """``client_cpu_us`` (the clients' CPU per operation), ``preempted_per_op``
+    (how often a client lost its core, per operation) and, where the server's
     processes could be read, ``server_cpu_us``: the fields a measurement adds."""
     ops = sum(r["ops"] for r in reports)
     if not ops or any("cpu_s" not in r for r in reports):
         return {}
     figures = {"client_cpu_us": sum(r["cpu_s"] for r in reports) / ops * 1e6}
+    if all("preempted" in r for r in reports):
+        figures["preempted_per_op"] = sum(r["preempted"] for r in reports) / ops
     seconds = None if server is None else server.seconds
     if seconds is not None:
         figures["server_cpu_us"] = seconds / ops * 1e6

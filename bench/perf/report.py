@@ -402,6 +402,11 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
             m["server_cpu_us"] for m in members if isinstance(m.get("server_cpu_us"), int | float)
         ]
         server = statistics.median(servers) if servers else None
+        preempted = [
+            m["preempted_per_op"]
+            for m in members
+            if isinstance(m.get("preempted_per_op"), int | float)
+        ]
         total = client + (server or 0.0)
         overlaps = case == "dispatch" and system == "outbox" and db == "postgres"
         streams = cores if overlaps else min(int(members[0].get(STREAMS[case], 1)), cores)
@@ -416,6 +421,7 @@ def cpu_table(rows: list[dict[str, Any]], cores: int) -> list[dict[str, Any]]:
                 "client_cpu_us": client,
                 "server_cpu_us": server,
                 "cpu_us": total,
+                "preempted_per_op": statistics.median(preempted) if preempted else None,
                 "rate": rates.get(key),
                 "ceiling": ceiling,
                 "baseline_rate": base,
@@ -434,6 +440,7 @@ def render_cpu(table: list[dict[str, Any]]) -> str:
         "client µs/op",
         "server µs/op",
         "CPU µs/op",
+        "client preempted /op",
         "measured /s",
         "ceiling /s",
         "ceiling / raw's measured",
@@ -448,6 +455,7 @@ def render_cpu(table: list[dict[str, Any]]) -> str:
             _fmt(e["client_cpu_us"]),
             _fmt(e["server_cpu_us"]) if e["server_cpu_us"] is not None else "(in client)",
             _fmt(e["cpu_us"]),
+            f"{e['preempted_per_op']:.2f}" if e.get("preempted_per_op") is not None else "-",
             _fmt(e["rate"]),
             _fmt(e["ceiling"]),
             f"{e['ceiling_ratio']:.2f}x" if e["ceiling_ratio"] is not None else "-",

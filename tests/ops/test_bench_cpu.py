@@ -8,6 +8,7 @@ are tested here; the timings themselves never are.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -50,7 +51,9 @@ def test_a_loop_that_waits_is_bounded_per_stream_and_the_dispatcher_by_the_cores
     assert table["create", "outbox"]["ceiling"] == pytest.approx(2e6 / 1000)
     assert table["create", "outbox"]["ceiling_ratio"] == pytest.approx(2_000 / 2_800)
     rendered = report.render_cpu(report.cpu_table(rows, cores=2))
-    assert "| dispatch | postgres | processes=1 | outbox | 50.0 | 100 | 150 | 9,000 |" in rendered
+    assert (
+        "| dispatch | postgres | processes=1 | outbox | 50.0 | 100 | 150 | - | 9,000 |" in rendered
+    )
 
 
 def test_sqlite_work_is_the_clients_and_a_measurement_without_cpu_has_no_row() -> None:
@@ -73,6 +76,33 @@ def test_a_report_gives_the_cpu_per_operation_of_all_its_clients() -> None:
     reports = [{"ops": 100, "cpu_s": 0.01}, {"ops": 300, "cpu_s": 0.03}]
     assert harness.cpu_per_op(reports) == {"client_cpu_us": pytest.approx(100.0)}
     assert harness.cpu_per_op([{"ops": 5}]) == {}  # a peer's loop reports no CPU
+    reports[0]["preempted"], reports[1]["preempted"] = 10, 390
+    assert harness.cpu_per_op(reports)["preempted_per_op"] == pytest.approx(1.0)
+
+
+def test_a_span_counts_the_preemptions_inside_it_only() -> None:
+    """Two busy threads' worth of processes on every core: the span sees the kernel
+    take the core away, and a span begun after them sees none of theirs."""
+    before = harness.begin()
+    spinners = [
+        multiprocessing.get_context("fork").Process(target=_spin, args=(0.3,))
+        for _ in range((os.cpu_count() or 1) * 2)
+    ]
+    for p in spinners:
+        p.start()
+    _spin(0.3)
+    for p in spinners:
+        p.join()
+    busy = harness.span(1, before)["preempted"]
+    assert busy >= 1
+    quiet = harness.begin()
+    assert harness.span(1, quiet)["preempted"] <= 1
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
 
 
 def test_the_server_cpu_counted_is_the_databases_work_after_the_start(postgres_url: str) -> None:
