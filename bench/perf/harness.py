@@ -326,8 +326,8 @@ def begin() -> tuple[float, float, int]:
 
 def span(ops: int, begun: tuple[float, float, int]) -> dict[str, Any]:
     """A client's report: ``ops`` since ``begin()``, with the CPU the span took and
-    how often the client was preempted in it (a process that loses its core
-    mid-call comes back to cold caches: more CPU for the same work)."""
+    how often the client was preempted in it (read beside the CPU: whether a
+    client's CPU grows with preemption is a question, not a given)."""
     started, cpu_started, preempted_before = begun
     ended, cpu, preempted = time.monotonic(), cpu_seconds(), preemptions()
     return {

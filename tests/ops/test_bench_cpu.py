@@ -81,7 +81,7 @@ def test_a_report_gives_the_cpu_per_operation_of_all_its_clients() -> None:
 
 
 def test_a_span_counts_the_preemptions_inside_it_only() -> None:
-    """Two busy threads' worth of processes on every core: the span sees the kernel
+    """Two spinning processes for every core: the span sees the kernel
     take the core away, and a span begun after them sees none of theirs."""
     before = harness.begin()
     spinners = [
