@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow bench-storage profile clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow bench-storage bench-contention profile clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
 	@echo "make bench-drain / bench-flood / bench-slow  lost replies drained, a flooding tenant, a slow provider"
 	@echo "make bench-storage  the outbox tables' writes with and without their fillfactors (PostgreSQL)"
+	@echo "make bench-contention  a four-client create's extra CPU: more work, or the same work costing more"
 
 $(VENV)/bin/python:
 	@echo "==> creating the virtual environment $(VENV) ($$(python3 -V))"
@@ -144,13 +145,18 @@ profile: $(STAMP)
 bench-slow: $(STAMP)
 	$(PY) -m bench.slow $(SLOW_ARGS)
 
-# One tenant floods, another's p99 is measured unloaded and under the flood (at most 3x).
-# A latency ratio on a shared 2-core box: a measurement, so it lives here, not in make test.
 # What a delivery's writes cost PostgreSQL with the tables' fillfactors and without:
 # WAL, HOT updates, sizes, and EXPLAIN (ANALYZE, BUFFERS, WAL) of the claim and the result.
 bench-storage: $(STAMP)
 	$(PY) -m bench.storage $(STORAGE_ARGS)
 
+# Whether a four-client create's extra CPU is more work or the same work costing more:
+# calls a create makes and a fixed canary's CPU, 1 and 4 clients (about two minutes).
+bench-contention: $(STAMP)
+	$(PY) -m bench.contention $(CONTENTION_ARGS)
+
+# One tenant floods, another's p99 is measured unloaded and under the flood (at most 3x).
+# A latency ratio on a shared 2-core box: a measurement, so it lives here, not in make test.
 bench-flood: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider bench/flood
 
