@@ -30,13 +30,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
 from bench.perf import create_path, harness
 
-DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 EVERY = 8
 CLIENTS = (1, 4)
 MAX_OPS = 200_000
@@ -111,24 +109,9 @@ def outbox_client(
 def raw_client(
     *, client: int, start_at: float, end_at: float, url: str, count_calls: bool
 ) -> dict[str, Any]:
-    import psycopg
-    import sqlalchemy as sa
-
-    conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(conninfo, options="-c timezone=UTC") as conn:
-        task, effect = create_path._rows(client, 0, datetime.now(UTC))
-        task_sql = create_path._insert_sql("raw_tasks", task, "pyformat", " RETURNING id")
-        effect_sql = create_path._insert_sql("raw_outbox", effect, "pyformat")
-        cur = conn.cursor()
-
-        def one(i: int) -> None:
-            task, effect = create_path._rows(client, i, datetime.now(UTC))
-            cur.execute(task_sql, task)
-            cur.fetchone()
-            cur.execute(effect_sql, effect)
-            conn.commit()
-
-        return _loop(one, start_at, end_at, count_calls)
+    return create_path.raw_postgres_loop(
+        lambda one: _loop(one, start_at, end_at, count_calls), client=client, url=url
+    )
 
 
 SYSTEMS: dict[str, Callable[..., dict[str, Any]]] = {"outbox": outbox_client, "raw": raw_client}
@@ -150,22 +133,18 @@ def measure(reports: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _of(rows: list[dict[str, Any]], kind: str, system: str, clients: int) -> list[dict[str, Any]]:
+    return [r for r in rows if (r["pass"], r["system"], r["clients"]) == (kind, system, clients)]
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[str]:
     """Per system: medians of the time pass at 1 and 4 clients, their ratio, the calls."""
     lines = ["system   clients  creates/s  CPU us/create  canary us  preempted/op  calls/create"]
     for system in SYSTEMS:
         medians: dict[int, dict[str, float]] = {}
         for clients in CLIENTS:
-            timed = [
-                r
-                for r in rows
-                if r["pass"] == "time" and r["system"] == system and r["clients"] == clients
-            ]
-            counted = [
-                r
-                for r in rows
-                if r["pass"] == "calls" and r["system"] == system and r["clients"] == clients
-            ]
+            timed = _of(rows, "time", system, clients)
+            counted = _of(rows, "calls", system, clients)
             if not timed or not counted:
                 continue
             m = {
@@ -194,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--reps", type=int, default=3)
     options = parser.parse_args(argv)
-    scratch = harness.Scratch(os.environ.get("OUTBOX_TEST_POSTGRES_URL") or DEFAULT_PG)
+    scratch = harness.Scratch(
+        os.environ.get("OUTBOX_TEST_POSTGRES_URL") or harness.PG_ADMIN_URL_DEFAULT
+    )
     pool = harness.Clients(max(CLIENTS))
     rows: list[dict[str, Any]] = []
     try:

@@ -163,6 +163,19 @@ def _insert_sql(table: str, row: dict[str, Any], style: str, returning: str = ""
 def raw_postgres_client(
     *, client: int, start_at: float, end_at: float, url: str, tables: str = "raw"
 ) -> dict[str, Any]:
+    return raw_postgres_loop(
+        lambda one: timed(one, start_at, end_at), client=client, url=url, tables=tables
+    )
+
+
+def raw_postgres_loop(
+    loop: Callable[[Callable[[int], None]], dict[str, Any]],
+    *,
+    client: int,
+    url: str,
+    tables: str = "raw",
+) -> dict[str, Any]:
+    """``loop(one)`` on a bare psycopg connection, ``one(i)`` being raw's create number i."""
     import psycopg
 
     business, outbox, rows = TABLES[tables]
@@ -180,7 +193,7 @@ def raw_postgres_client(
             cur.execute(effect_sql, effect)
             conn.commit()
 
-        return timed(one, start_at, end_at)
+        return loop(one)
 
 
 def _sqlite_ts(value: datetime) -> str:

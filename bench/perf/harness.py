@@ -308,20 +308,16 @@ def sqlite_connect(url: str, *, check_same_thread: bool = True) -> sqlite3.Conne
     return conn
 
 
-def cpu_seconds() -> float:
-    """This process's CPU time so far (user + system, every thread)."""
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds so far (user + system, every thread), and how often
+    the kernel has taken the CPU from it while it could run: one reading."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def preemptions() -> int:
-    """How often the kernel has taken the CPU from this process while it could run."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+    return usage.ru_utime + usage.ru_stime, usage.ru_nivcsw
 
 
 def begin() -> tuple[float, float, int]:
     """A client's timed span starts: (monotonic clock, CPU seconds, preemptions)."""
-    return time.monotonic(), cpu_seconds(), preemptions()
+    return (time.monotonic(), *_usage())
 
 
 def span(ops: int, begun: tuple[float, float, int]) -> dict[str, Any]:
@@ -329,7 +325,7 @@ def span(ops: int, begun: tuple[float, float, int]) -> dict[str, Any]:
     how often the client was preempted in it (read beside the CPU: whether a
     client's CPU grows with preemption is a question, not a given)."""
     started, cpu_started, preempted_before = begun
-    ended, cpu, preempted = time.monotonic(), cpu_seconds(), preemptions()
+    ended, (cpu, preempted) = time.monotonic(), _usage()
     return {
         "ops": ops,
         "started": started,
