@@ -12,6 +12,7 @@ each test gets ``CREATE DATABASE ... TEMPLATE`` of it, dropped afterwards.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -136,6 +137,21 @@ def make_settings() -> Callable[..., settings.Settings]:
         return settings.load(**overrides)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _logging_put_back() -> Iterator[None]:
+    """A command run in-process (``reconciler``, ``mcp``) configures logging as a
+    process does: a root handler on the stderr of its moment, which pytest closes
+    after the test. Left in place, it would fail the next test that logs."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    quieted = {name: logging.getLogger(name).level for name in ("httpx", "apscheduler", "alembic")}
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, was in quieted.items():
+        logging.getLogger(name).setLevel(was)
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ with exit codes a script can act on."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -31,12 +30,9 @@ def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
         out, err = capsys.readouterr()
         return code, out, err
 
-    # `reconciler` configures the root logger, as a process does: put pytest's back.
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    # `reconciler` configures the root logger, as a process does: the autouse
+    # fixture in tests/conftest.py puts pytest's back.
     yield invoke
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture
