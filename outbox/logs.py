@@ -59,6 +59,12 @@ class TextFormatter(logging.Formatter):
         return f"{line} [{context}]" if context else line
 
 
+# Libraries ``configure`` holds at warnings: httpx logs every request line with
+# its URL at info (too chatty for a dispatcher), apscheduler every run, and
+# alembic the schema check on start-up (and on every /readyz), which is not news.
+QUIETED = ("httpx", "apscheduler", "alembic")
+
+
 def configure(log_format: str = "text", level: str = "INFO") -> None:
     """Install one handler on the root logger (stderr). Safe to call twice."""
     handler = logging.StreamHandler(sys.stderr)
@@ -68,8 +74,5 @@ def configure(log_format: str = "text", level: str = "INFO") -> None:
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level)
-    # httpx logs every request line with its URL at info: too chatty for a dispatcher.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    # The schema check on start-up (and on every /readyz) is not news.
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    for name in QUIETED:
+        logging.getLogger(name).setLevel(logging.WARNING)

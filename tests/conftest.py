@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from outbox import db, faults, settings
+from outbox import db, faults, logs, settings
 from outbox.creating import create
 
 POSTGRES_URL = os.environ.get("OUTBOX_TEST_POSTGRES_URL", "")
@@ -146,7 +146,7 @@ def _logging_put_back() -> Iterator[None]:
     after the test. Left in place, it would fail the next test that logs."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    quieted = {name: logging.getLogger(name).level for name in ("httpx", "apscheduler", "alembic")}
+    quieted = {name: logging.getLogger(name).level for name in logs.QUIETED}
     yield
     root.handlers[:] = handlers
     root.setLevel(level)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +23,7 @@ S = states.EffectStatus
 
 
 @pytest.fixture
-def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Any:
     def invoke(*argv: str) -> tuple[int, str, str]:
         code = cli.main(["--database-url", db_url, *argv])
         out, err = capsys.readouterr()
@@ -32,7 +31,7 @@ def run(db_url: str, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
 
     # `reconciler` configures the root logger, as a process does: the autouse
     # fixture in tests/conftest.py puts pytest's back.
-    yield invoke
+    return invoke
 
 
 @pytest.fixture
