@@ -498,6 +498,7 @@ def driver_execute(
     except conn.dialect.loaded_dbapi.Error as error:
         lost = conn.dialect.is_disconnect(error, dbapi_connection, cursor)
         if lost:
+            _invalidate_pool(conn.connection, error)
             conn.invalidate(error)
         raise exc.DBAPIError.instance(
             sql,
@@ -508,6 +509,19 @@ def driver_execute(
             dialect=conn.dialect,
         ) from error
     return cursor
+
+
+def _invalidate_pool(connection: PoolProxiedConnection, error: BaseException) -> None:
+    """After a disconnect, have the pool remake every connection older than now.
+
+    What SQLAlchemy's own ``Connection`` does when a statement finds its server
+    gone: a restart or a failover dropped the pool's idle connections too, so each
+    is made afresh at its next checkout instead of failing its next statement.
+    Without it, the one retry of a create (which has no pre-ping) draws the next
+    dead connection of the pool and the caller gets the error.
+    """
+    proxied: Any = connection  # the pool that lent it is not in the public type
+    proxied._pool._invalidate(connection, error, _checkin=False)
 
 
 @contextlib.contextmanager

@@ -109,3 +109,39 @@ def test_a_second_dead_connection_is_not_retried_again(postgres_box: Outbox, mon
         db.transact(box.engine, body)
     assert caught.value.connection_invalidated
     assert len(calls) == 2 and calls[0] != calls[1]
+
+
+def _fill_pool(box: Outbox, size: int) -> None:
+    """Leave ``size`` used connections idle in the pool, as after a burst of requests."""
+    held = [box.engine.connect() for _ in range(size)]
+    for conn in held:
+        conn.exec_driver_sql("SELECT 1")
+    for conn in held:
+        conn.close()
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["create", "replay"])
+def test_after_a_restart_every_idle_connection_is_dead_and_the_next_call_still_succeeds(
+    postgres_box: Outbox, replay: bool
+):
+    """A restart kills every pooled connection, not one: the first disconnect must
+    drop the pool's older connections too (as SQLAlchemy's own ``Connection`` does),
+    or the one retry draws the next dead one and the caller gets an error."""
+    box = postgres_box
+    first = box.execute("acme", "op-1", TOOL, ARGS)
+    _fill_pool(box, 4)
+    pids = _backend_pids(box)
+    assert len(pids) == 4
+    _terminate(pids)
+
+    result = box.execute("acme", "op-1" if replay else "op-2", TOOL, ARGS)
+
+    assert result.replayed is replay and result.status_code == 201
+    if replay:
+        assert result.receipt_json == first.receipt_json
+    assert counts(box) == {
+        "tasks": 1 + (not replay),
+        "operations": 1 + (not replay),
+        "outbox": 1 + (not replay),
+    }
+    assert not _backend_pids(box) & pids
