@@ -21,8 +21,6 @@ import time
 
 from bench.perf import backlog, create_path, dispatch, harness
 
-DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", choices=["postgres", "sqlite"], default="postgres")
     parser.add_argument("--seconds", type=float, default=8.0)
     options = parser.parse_args(argv)
-    scratch = harness.Scratch(os.environ.get("OUTBOX_TEST_POSTGRES_URL") or DEFAULT_PG)
+    scratch = harness.Scratch(
+        os.environ.get("OUTBOX_TEST_POSTGRES_URL") or harness.PG_ADMIN_URL_DEFAULT
+    )
     try:
         url = scratch.fresh(options.db)
         if options.loop == "dispatch":
