@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PG_URL := $(shell pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && echo $(PG_ADMIN_URL))
 export OUTBOX_TEST_POSTGRES_URL ?= $(PG_URL)
 
-.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-flood bench-slow bench-storage bench-contention profile clean
+.PHONY: help venv demo example test lint docs docs-check docs-serve fmt browser pgbouncer run chaos chaos-quick chaos-failover chaos-pooler bench bench-quick bench-drain bench-rss bench-flood bench-slow bench-storage bench-contention profile clean
 
 help:
 	@echo "make demo        the end-to-end story on a fresh SQLite file"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench       performance figures as ratios to same-run baselines (bounded)"
 	@echo "make bench-drain / bench-flood / bench-slow  lost replies drained, a flooding tenant, a slow provider"
 	@echo "make bench-storage  the outbox tables' writes with and without their fillfactors (PostgreSQL)"
+	@echo "make bench-rss   a dispatcher's memory over a million effects (at most 10% growth)"
 	@echo "make bench-contention  a four-client create's extra CPU: more work, or the same work costing more"
 
 $(VENV)/bin/python:
@@ -132,6 +133,11 @@ bench-quick: $(STAMP)
 bench-drain: $(STAMP)
 	$(PY) -m bench.drain $(DRAIN_ARGS)
 	$(PY) -m pytest -q -p no:cacheprovider bench/drain
+
+# A dispatcher's memory over the issue's million effects (at most 10% growth): the
+# backlog is made in under a minute, the drain takes 1 to 5 minutes, 25 at the most.
+bench-rss: $(STAMP)
+	$(PY) -m bench.perf.rss $(RSS_ARGS)
 
 # Where the hot loops spend their time: py-spy flame graphs of the dispatch and create
 # loops on PostgreSQL (docs/performance.md, "Profiles"). About a minute.
