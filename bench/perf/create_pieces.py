@@ -44,20 +44,20 @@ ROUNDS = 5
 FLOOR = "the floor's own Python (rows, receipt, parameters)"
 
 
-def measure(calls: int, pg_admin_url: str) -> dict[str, float]:
-    """Median microseconds per create of each piece, and of the floor's Python."""
+def measure(calls: int, url: str) -> dict[str, float]:
+    """Median microseconds per create of each piece, and of the floor's Python.
+
+    ``url``: a migrated PostgreSQL database; nothing is written to it."""
     import logging
 
     from outbox import Outbox, db, metrics, schema, settings
     from outbox.creating import create, digest
 
-    scratch = harness.Scratch(pg_admin_url)
     took: dict[str, list[float]] = {}
 
     def timed(name: str, piece: Callable[[Any], object], items: Sequence[Any]) -> None:
         # As timeit does: the collector off, so that a piece which keeps what it made
         # (for the next piece) is not charged for collecting everyone's garbage.
-        gc.collect()
         gc.disable()
         try:
             began = time.perf_counter()
@@ -67,8 +67,8 @@ def measure(calls: int, pg_admin_url: str) -> dict[str, float]:
         finally:
             gc.enable()
 
+    box = Outbox(url, config=settings.load())
     try:
-        box = Outbox(scratch.postgres(), config=settings.load())
         engine, registry = box.engine, box.tools
         tool = registry.get(create_path.TOOL)
         logger = logging.getLogger("outbox.service")
@@ -146,10 +146,9 @@ def measure(calls: int, pg_admin_url: str) -> dict[str, float]:
             )
             timed("pooled connection out and back, autocommit on and off", connection, range(calls))
             timed(FLOOR, floors_python, range(calls))
-        box.close()
     finally:
         create._IDS.clear()
-        scratch.close()
+        box.close()
     return {name: statistics.median(values) for name, values in took.items()}
 
 
@@ -162,16 +161,28 @@ def main(argv: list[str] | None = None) -> int:
         help="an admin URL of the PostgreSQL server (a scratch database is made and dropped)",
     )
     options = parser.parse_args(argv)
-    pieces = measure(options.calls, options.pg)
+    scratch = harness.Scratch(options.pg)
+    try:
+        pieces = measure(options.calls, scratch.postgres())
+    finally:
+        scratch.close()
+    print("\n".join(table(pieces)))
+    return 0
+
+
+def table(pieces: dict[str, float]) -> list[str]:
+    """The pieces, their sum, the floor's Python and the difference, one line each."""
+    pieces = dict(pieces)
     floors = pieces.pop(FLOOR)
     ours = sum(pieces.values())
-    width = max(len(name) for name in [*pieces, FLOOR, "sum: our Python before the driver"])
-    for name, micros in pieces.items():
-        print(f"{name:<{width}}  {micros:6.2f} µs")
-    print(f"{'sum: our Python before the driver':<{width}}  {ours:6.2f} µs")
-    print(f"{FLOOR:<{width}}  {floors:6.2f} µs")
-    print(f"{'what ours adds over the floor':<{width}}  {ours - floors:6.2f} µs")
-    return 0
+    rows = [
+        *pieces.items(),
+        ("sum: our Python before the driver", ours),
+        (FLOOR, floors),
+        ("what ours adds over the floor", ours - floors),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {micros:6.2f} µs" for name, micros in rows]
 
 
 if __name__ == "__main__":
