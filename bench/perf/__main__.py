@@ -75,10 +75,7 @@ def _parse() -> argparse.Namespace:
         help="the issue's full sizes (100,000-effect backlog, 10 s latency runs, 1,000,000 "
         "finished rows, 1,000,000-effect RSS drain); takes far longer than 10 minutes",
     )
-    parser.add_argument(
-        "--pg-url",
-        default=os.environ.get("OUTBOX_BENCH_POSTGRES_URL", harness.PG_ADMIN_URL_DEFAULT),
-    )
+    harness.add_pg_argument(parser, "--pg-url")
     parser.add_argument(
         "--out",
         type=Path,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 from collections import deque
@@ -155,11 +154,7 @@ def measure(calls: int, url: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5_000)
-    parser.add_argument(
-        "--pg",
-        default=os.environ.get("OUTBOX_BENCH_POSTGRES_URL", harness.PG_ADMIN_URL_DEFAULT),
-        help="an admin URL of the PostgreSQL server (a scratch database is made and dropped)",
-    )
+    harness.add_pg_argument(parser)
     options = parser.parse_args(argv)
     scratch = harness.Scratch(options.pg)
     try:

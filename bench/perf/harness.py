@@ -13,6 +13,7 @@ over the span from the first start to the last end.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing
@@ -38,6 +39,15 @@ PG_ADMIN_URL_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
 TENANT = "bench"
 # Clients get this long to connect and warm up before the shared start.
 START_LEAD_S = 0.8
+
+
+def add_pg_argument(parser: argparse.ArgumentParser, flag: str = "--pg") -> None:
+    """The PostgreSQL server a bench command makes its scratch databases on."""
+    parser.add_argument(
+        flag,
+        default=os.environ.get("OUTBOX_BENCH_POSTGRES_URL", PG_ADMIN_URL_DEFAULT),
+        help="an admin URL of the PostgreSQL server (scratch databases are made and dropped)",
+    )
 
 
 def pg_url(admin_url: str, database: str) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -71,7 +70,8 @@ def drain(*, client: int, start_at: float, end_at: float, url: str) -> dict[str,
         ended = time.monotonic()
     finally:
         stop.set()
-        sampler.join(10)
+        if sampler.ident is not None:  # started
+            sampler.join(10)
         d.close()
         d.adapters.close()
         d.engine.dispose()
@@ -91,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--effects", type=int, default=1_000_000)
     parser.add_argument("--db", choices=["postgres", "sqlite"], default="postgres")
     parser.add_argument("--limit", type=float, default=1500.0, help="seconds the drain may take")
-    parser.add_argument(
-        "--pg",
-        default=os.environ.get("OUTBOX_BENCH_POSTGRES_URL", harness.PG_ADMIN_URL_DEFAULT),
-        help="an admin URL of the PostgreSQL server (a scratch database is made and dropped)",
-    )
+    harness.add_pg_argument(parser)
     options = parser.parse_args(argv)
     scratch = harness.Scratch(options.pg)
     clients = harness.Clients(1)
