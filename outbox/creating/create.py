@@ -537,7 +537,11 @@ def _write_optimistically(engine: Engine, conn: db.Driver, request: _Request) ->
         if len(writer.rows) + len(output.effects) > _FOLD_LIMIT:
             raise _NeedsTransaction()
         receipt_json, record, effects = _record_and_effects(request, output, "postgresql")
-    except (Exception, _NeedsTransaction):
+    except (Exception, _NeedsTransaction) as error:
+        if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+            # The handler's own statement (its ids' block) found the server gone: no
+            # lookup on a dead connection; the caller runs it all again on a new one.
+            raise
         # A replay is answered from its record whatever the handler does today
         # (its code, or the data it reads, may have changed since the first call).
         found = _find(conn, tenant, operation_id)

@@ -8,10 +8,13 @@ transaction runs once more on a new connection: one task, the right receipt.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, db, schema
+from outbox.creating import create
 from tests.conftest import _admin_engine
 from tests.foundation.conftest import counts
 
@@ -145,3 +148,42 @@ def test_after_a_restart_every_idle_connection_is_dead_and_the_next_call_still_s
         "outbox": 1 + (not replay),
     }
     assert not _backend_pids(box) & pids
+
+
+def test_after_a_restart_the_same_create_twice_at_once_makes_one_task(postgres_box: Outbox):
+    """Two callers retry the same key at the same moment, both on dead connections:
+    both run again on new ones, one creates and the other replays its receipt."""
+    box = postgres_box
+    _fill_pool(box, 4)
+    _terminate(_backend_pids(box))
+    start = threading.Barrier(2)
+    results = []
+
+    def call() -> None:
+        start.wait()
+        results.append(box.execute("acme", "op-1", TOOL, ARGS))
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sorted(r.created for r in results) == [False, True]
+    assert results[0].receipt_json == results[1].receipt_json
+    assert counts(box) == {"tasks": 1, "operations": 1, "outbox": 1}
+
+
+def test_a_create_that_draws_its_ids_on_a_dead_connection_runs_again(postgres_box: Outbox):
+    """The handler's task id comes from a block drawn on the create's connection; when
+    that draw is the first statement to meet the dead server, the create runs again
+    on a new connection (not a lookup on the dead one, which raised AssertionError)."""
+    box = postgres_box
+    box.execute("acme", "op-warm", TOOL, ARGS)
+    create._IDS.clear()  # the next create draws a block first
+    _terminate(_backend_pids(box))
+
+    result = box.execute("acme", "op-1", TOOL, ARGS)
+
+    assert result.created and result.status_code == 201
+    assert counts(box) == {"tasks": 2, "operations": 2, "outbox": 2}
