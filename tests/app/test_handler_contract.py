@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from outbox import Outbox, db, errors, faults, schema, settings, tools
 from outbox.app import App
 from tests.conftest import _admin_engine
+from tests.support.patience import TERMINATE_WAIT_MS
 
 ARGS = {"order_id": "ord_1", "amount_cents": 1999, "currency": "EUR", "reason": "damaged"}
 
@@ -148,7 +149,10 @@ def test_a_connection_lost_during_the_handlers_transaction_runs_it_again(
             admin = _admin_engine()
             try:
                 with admin.connect() as conn:
-                    conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+                    conn.execute(
+                        sa.text("SELECT pg_terminate_backend(:pid, :wait)"),
+                        {"pid": pid, "wait": TERMINATE_WAIT_MS},
+                    )
             finally:
                 admin.dispose()
             ctx.conn.exec_driver_sql("SELECT 1")  # fails: the server side is gone

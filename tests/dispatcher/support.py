@@ -23,6 +23,7 @@ from fake_provider.testing import ProviderTransport
 from outbox import db, schema, states
 from outbox.creating import create, digest
 from tests.conftest import _admin_engine
+from tests.support.patience import TERMINATE_WAIT_MS
 from tests.support.servers import serve_in_thread
 
 TENANT = "acme"
@@ -338,7 +339,10 @@ def terminate_backends(engine: Engine) -> int:
             ).scalars()
             killed = 0
             for pid in list(pids):
-                conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+                conn.execute(
+                    sa.text("SELECT pg_terminate_backend(:pid, :wait)"),
+                    {"pid": pid, "wait": TERMINATE_WAIT_MS},
+                )
                 killed += 1
             return killed
     finally:

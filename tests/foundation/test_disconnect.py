@@ -17,6 +17,7 @@ from outbox import Outbox, db, schema
 from outbox.creating import create
 from tests.conftest import _admin_engine
 from tests.foundation.conftest import counts
+from tests.support.patience import TERMINATE_WAIT_MS
 
 pytestmark = pytest.mark.postgres
 
@@ -49,7 +50,8 @@ def _terminate(pids: set[int]) -> None:
             for pid in pids:
                 # Waits (up to 5 s) until the backend is gone.
                 assert conn.execute(
-                    sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid}
+                    sa.text("SELECT pg_terminate_backend(:pid, :wait)"),
+                    {"pid": pid, "wait": TERMINATE_WAIT_MS},
                 ).scalar_one()
     finally:
         admin.dispose()

@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable
 
 PATIENCE_S = 120.0
+# ``pg_terminate_backend(pid, timeout)`` returns as soon as the backend is gone; a
+# busy server may take more than a few seconds to end one.
+TERMINATE_WAIT_MS = int(PATIENCE_S * 1000)
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
