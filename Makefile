@@ -85,10 +85,12 @@ browser:
 	  else echo "chromium is missing: install Debian's chromium package for the browser tests"; fi; \
 	fi
 
-# The site must build with --strict (a broken link, a page left out of the nav);
-# built into a temporary directory, removed after.
+# The site must build with --strict (a broken link or anchor, a page left out of the
+# nav); built into a temporary directory, removed after. Not --quiet: it drops the
+# warnings before --strict counts them, and the build then passes a broken link. The
+# INFO lines are filtered instead (pipefail keeps mkdocs's exit status).
 docs-check: $(STAMP)
-	@tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$tmp/site; rc=$$?; rm -rf $$tmp; exit $$rc
+	@tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $$tmp/site 2>&1 | { grep -v '^INFO ' || true; }; rc=$$?; rm -rf $$tmp; exit $$rc
 
 test: $(STAMP) lint docs-check browser
 	@if [ -z "$$OUTBOX_TEST_POSTGRES_URL" ]; then echo "PostgreSQL does not answer on 127.0.0.1:5432: its tests will be skipped (CI fails instead)"; fi
