@@ -70,7 +70,7 @@ def raw_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
             table.append_column(copy)
         for constraint in source.constraints:
             if isinstance(constraint, sa.CheckConstraint) and isinstance(
-                constraint.sqltext, sa.TextClause
+                constraint.sqltext, sa.TextClause | schema.OneOf
             ):
                 table.append_constraint(
                     sa.CheckConstraint(constraint.sqltext, name=f"raw_{constraint.name}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -77,6 +78,70 @@ def test_migrated_schema_matches_the_code(db_url):
         assert diff == []
     finally:
         engine.dispose()
+
+
+def _enum_checks() -> list[tuple[str, str, str, list[str]]]:
+    """(table, constraint, column, values) of every enum column the code declares."""
+    return [
+        (table.name, f"ck_{table.name}_{column.type.name}", column.name, list(column.type.enums))
+        for table in schema.metadata.sorted_tables
+        for column in table.columns
+        if isinstance(column.type, sa.Enum)
+    ]
+
+
+def _checks_in_database(conn: sa.Connection) -> dict[str, str]:
+    if conn.dialect.name == "postgresql":
+        rows = conn.exec_driver_sql(
+            "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE contype = 'c'"
+        )
+        return {name: text for name, text in rows}
+    found = {}
+    for (sql,) in conn.exec_driver_sql("SELECT sql FROM sqlite_master WHERE type = 'table'"):
+        for match in re.finditer(r"CONSTRAINT (ck_\w+) CHECK \(([^\n]*)", sql or ""):
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def test_each_enum_columns_check_admits_exactly_its_values(db_url):
+    """A migration that adds a value to an enum must add it to the column's CHECK; and
+    on PostgreSQL the list is one constant (migration 0010), not an ARRAY[...] that the
+    server rebuilds in every statement writing the table."""
+    engine = db.create_engine(settings.load(), url=db_url)
+    try:
+        with engine.connect() as conn:
+            found = _checks_in_database(conn)
+            postgres = conn.dialect.name == "postgresql"
+    finally:
+        engine.dispose()
+    checks = _enum_checks()
+    assert len(checks) == 11
+    for table, name, column, values in checks:
+        assert name in found, f"{table}.{column}: no CHECK named {name}"
+        text = found[name]
+        if postgres:
+            assert "ARRAY[" not in text, (
+                f"{name} is {text}: write it as schema.OneOf does, "
+                f"{column}::text = ANY ('{{...}}'::text[])"
+            )
+            listed = re.fullmatch(
+                rf"CHECK \(\(\({column}\)::text = ANY \('\{{([a-z0-9_,]*)\}}'::text\[\]\)\)\)", text
+            )
+            assert listed, f"{name}: {text}"
+            assert listed.group(1).split(",") == values, name
+        else:
+            assert re.findall(r"'([a-z0-9_]+)'", text.split(")", 1)[0]) == values, name
+
+
+def test_the_constant_form_refuses_what_the_list_does(box: Outbox, effect_id: int):
+    # Case matters, and so does a value of another enum column.
+    for column, value in (("status", "PENDING"), ("reason", "lookup"), ("settled_by", "x")):
+        sql = f"UPDATE outbox SET {column} = '{value}' WHERE id = {effect_id}"
+        with (
+            pytest.raises(sa.exc.IntegrityError, match=f"ck_outbox_{column}"),
+            db.write(box.engine) as conn,
+        ):
+            conn.exec_driver_sql(sql)
 
 
 def test_migrations_from_empty_and_twice(tmp_path):
@@ -245,5 +310,26 @@ def test_migrations_0006_and_0007_go_down_and_up_again(postgres_url: str):
             },
             True,
         )
+    finally:
+        engine.dispose()
+
+
+def test_migration_0010_goes_down_to_the_lists_and_up_again(postgres_url: str):
+    from alembic import command
+
+    engine = db.create_engine(settings.load(), url=postgres_url)
+
+    def enum_checks() -> list[str]:
+        with engine.connect() as conn:
+            found = _checks_in_database(conn)
+        return [found[name] for _, name, _, _ in _enum_checks()]
+
+    try:
+        with engine.connect() as conn:
+            command.downgrade(db._alembic_config(conn), "0009")
+            conn.commit()
+        assert all("ARRAY[" in text for text in enum_checks())
+        db.upgrade(engine)
+        assert not any("ARRAY[" in text for text in enum_checks())
     finally:
         engine.dispose()
