@@ -221,11 +221,14 @@ def _entry(
         "note": extra["note"],
         "target": "",
         "met": None,
+        "bounds": [],  # the ratio targets' lines, for printing the ratio finely near one
     }
     for target in TARGETS:
         if _vs(target) != vs or not _applies(target, case, db, variant, system, metric):
             continue
         met = _check(target, value, ratio, medians, extra)
+        if target.kind in ("ratio>=", "ratio<="):
+            entry["bounds"].append(float(target.bound))
         entry["target"] = (entry["target"] + "; " if entry["target"] else "") + target.text
         entry["met"] = met if entry["met"] is None else (entry["met"] and met)
     return entry
@@ -315,6 +318,15 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(ratio: float, bounds: list[float]) -> str:
+    """Two decimals; three where two would print a target's own line (0.548 against
+    ">=0.55x" would read "0.55x ... MISS")."""
+    text = f"{ratio:.2f}"
+    if any(text == f"{bound:.2f}" and ratio != bound for bound in bounds):
+        text = f"{ratio:.3f}"
+    return f"{text}x"
+
+
 def _spread(ratios: list[float]) -> str:
     """The lowest and highest per-repetition ratio: a target inside it is a coin toss."""
     if len(ratios) < 2:
@@ -348,7 +360,7 @@ def render(table: list[dict[str, Any]]) -> str:
             e["metric"],
             _fmt(e["median"]),
             e["baseline"] or "-",
-            f"{e['ratio']:.2f}x" if e["ratio"] is not None else "-",
+            _ratio(e["ratio"], e.get("bounds") or []) if e["ratio"] is not None else "-",
             _spread(e.get("rep_ratios") or []),
             e["target"],
             met,

@@ -62,3 +62,26 @@ def test_a_single_repetition_has_no_spread() -> None:
     table = report.build([r for r in ROWS if r["rep"] == 0])
     line = next(line for line in report.render(table).splitlines() if "| outbox |" in line)
     assert "| 0.75x | - |" in line
+
+
+def test_a_ratio_that_rounds_to_its_targets_line_is_printed_finer() -> None:
+    # Two processes at 0.5476x raw against ">=0.55x": "0.55x ... MISS" would contradict
+    # itself, so that ratio gets a third decimal; one clear of the line keeps two.
+    # (Both miss "not below 1 process" too: there is no one-process run here.)
+    rows = []
+    for rep, (ours, raw) in enumerate(((5_476, 10_000), (5_476, 10_000), (5_476, 10_000))):
+        for system, rate in (("outbox", ours), ("raw", raw)):
+            rows.append({**_drain(system, rep, rate), "processes": 2})
+    line = next(
+        line
+        for line in report.render(report.build(rows)).splitlines()
+        if "| outbox |" in line and "raw" in line
+    )
+    assert "| 0.548x |" in line and "**MISS**" in line
+    clear = [{**r, "effects_per_s": 6_000} if r["system"] == "outbox" else r for r in rows]
+    line = next(
+        line
+        for line in report.render(report.build(clear)).splitlines()
+        if "| outbox |" in line and "raw" in line
+    )
+    assert "| 0.60x |" in line
