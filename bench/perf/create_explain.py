@@ -47,20 +47,16 @@ COUNTED = (WAL_BYTES, WAL_INSERTS)
 
 
 def measure(creates: int, url: str) -> dict[str, dict[str, float]]:
-    """``{part: {system: median}}``: milliseconds for times, counts for WAL and buffers.
+    """``{part: {system: median}}``: milliseconds for times, bytes for WAL.
 
     ``url``: a migrated PostgreSQL database with the bench's tables; the creates
     are committed to it."""
     import psycopg
 
-    from outbox import schema
-    from outbox.creating import create
-
     took: dict[str, dict[str, list[float]]] = {}
     with psycopg.connect(backlog.conninfo(url), autocommit=True) as conn:
         names = _trigger_names(conn)
         ids: list[int] = []
-        next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
         minimal_task, minimal_effect = create_path._minimal_rows(0, 0, datetime.now(UTC))
         task_sql = create_path._insert_sql(
             "minimal_tasks", minimal_task, "pyformat", " RETURNING id"
@@ -68,16 +64,7 @@ def measure(creates: int, url: str) -> dict[str, dict[str, float]]:
         effect_sql = create_path._insert_sql("minimal_outbox", minimal_effect, "pyformat")
 
         def ours(i: int) -> tuple[list[dict[str, Any]], int]:
-            task, record, effect = floor._create_rows(0, i)
-            if not ids:
-                params = {"table": "tasks", "column": "id"}
-                ids.extend(r[0] for r in reversed(conn.execute(next_ids, params).fetchall()))
-            task["id"] = ids.pop()
-            floor._receipt(record, task["id"])
-            columns = [k for k in effect if k not in ("tenant", "operation_id")]
-            sql, params = create._pg_statement(
-                record, [(schema.tasks, task)], [{k: effect[k] for k in columns}]
-            )
+            sql, params = floor.pg_create_statement(conn, 0, i, ids)
             start = _wal_position(conn)
             documents = [_explain(conn, sql, params)]
             return documents, _wal_since(conn, start)

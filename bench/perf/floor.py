@@ -64,6 +64,24 @@ def _receipt(record: dict[str, Any], task_id: int) -> None:
     )
 
 
+def pg_create_statement(cur: Any, client: int, i: int, ids: list[int]) -> tuple[str, Any]:
+    """The one statement Outbox's create sends on PostgreSQL for create ``i`` of
+    ``client``, and its parameters. Its task id comes from ``ids``, refilled from a
+    block of the tasks' sequence when empty, as the create's handler draws them."""
+    from outbox import schema
+    from outbox.creating import create
+
+    task, record, effect = _create_rows(client, i)
+    if not ids:
+        table = {"table": "tasks", "column": "id"}
+        next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
+        ids.extend(row[0] for row in reversed(cur.execute(next_ids, table).fetchall()))
+    task["id"] = ids.pop()
+    _receipt(record, task["id"])
+    columns = [k for k in effect if k not in ("tenant", "operation_id")]
+    return create._pg_statement(record, [(schema.tasks, task)], [{k: effect[k] for k in columns}])
+
+
 def create_client(*, client: int, start_at: float, end_at: float, url: str) -> dict[str, Any]:
     from bench.perf import create_path
     from outbox import db, schema
@@ -72,12 +90,10 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
     backend = "sqlite" if sa.make_url(url).get_backend_name() == "sqlite" else "postgresql"
     task, record, effect = _create_rows(client, 0)
     find = db.driver_sql(create._FIND, backend)
-    effect_columns = tuple(k for k in effect if k not in ("tenant", "operation_id"))
+    ids: list[int] = []
     if backend == "postgresql":
         # Autocommit: one statement that commits alone, with the key's lookup in it.
         conn: Any = psycopg.connect(backlog.conninfo(url), autocommit=True)
-        next_ids = create._NEXT_IDS.format(create._Ids.BLOCK)
-        ids: list[int] = []
     else:
         conn = harness.sqlite_connect(url)
         insert_task = db.insert_sql(schema.tasks, tuple(task), "id", backend)
@@ -85,20 +101,13 @@ def create_client(*, client: int, start_at: float, end_at: float, url: str) -> d
         insert_effect = db.insert_sql(schema.outbox, tuple(effect), None, backend)
 
     def one(i: int) -> None:
-        task, record, effect = _create_rows(client, i)
-        key = {"tenant": record["tenant"], "operation_id": record["operation_id"]}
         if backend == "postgresql":
             cur = conn.cursor()
-            if not ids:
-                table = {"table": "tasks", "column": "id"}
-                ids.extend(row[0] for row in reversed(cur.execute(next_ids, table).fetchall()))
-            task["id"] = ids.pop()
-            _receipt(record, task["id"])
-            sql, params = create._pg_statement(
-                record, [(schema.tasks, task)], [{k: effect[k] for k in effect_columns}]
-            )
+            sql, params = pg_create_statement(cur, client, i, ids)
             assert [row[0] for row in cur.execute(sql, params).fetchall()] == ["new"]
             return
+        task, record, effect = _create_rows(client, i)
+        key = {"tenant": record["tenant"], "operation_id": record["operation_id"]}
         task, record, effect = (db.driver_values(backend, r) for r in (task, record, effect))
         conn.execute("BEGIN IMMEDIATE")
         assert conn.execute(find, key).fetchone() is None
