@@ -611,7 +611,6 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
     """Apply migrations; safe to run twice, and from two processes at once on PostgreSQL."""
     from alembic import command
 
-    before = current_revision(engine)
     with engine.connect() as conn:
         sqlite_driver: Any = None
         if conn.dialect.name == "postgresql":
@@ -626,6 +625,8 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
             sqlite_driver = conn.connection.driver_connection
             sqlite_driver.execute("PRAGMA foreign_keys=OFF")
         try:
+            # Read under the lock: a second migrator reports where the first left it.
+            before = current_revision(engine)
             command.upgrade(_alembic_config(conn), revision)
             conn.commit()
         finally:

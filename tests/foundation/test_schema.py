@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from datetime import timedelta
 
 import pytest
@@ -331,5 +332,69 @@ def test_migration_0010_goes_down_to_the_lists_and_up_again(postgres_url: str):
         assert all("ARRAY[" in text for text in enum_checks())
         db.upgrade(engine)
         assert not any("ARRAY[" in text for text in enum_checks())
+    finally:
+        engine.dispose()
+
+
+def _down_to_0009(engine: sa.Engine) -> None:
+    from alembic import command
+
+    with engine.connect() as conn:
+        command.downgrade(db._alembic_config(conn), "0009")
+        conn.commit()
+
+
+def _enum_check_forms(engine: sa.Engine) -> set[bool]:
+    """For each enum CHECK: is it still the 0009 list (an ARRAY)?"""
+    with engine.connect() as conn:
+        found = _checks_in_database(conn)
+    return {"ARRAY[" in found[name] for _, name, _, _ in _enum_checks()}
+
+
+def test_migration_0010_that_cannot_finish_leaves_nothing_half_done(postgres_url: str):
+    """0010 alters four tables before outbox; when it cannot lock outbox it fails, and
+    the tables it did alter are as they were: one transaction, as a killed migrator's."""
+    engine = db.create_engine(settings.load(busy_timeout="0.2s"), url=postgres_url)
+    holder = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        _down_to_0009(engine)
+        with holder.connect() as blocking:
+            blocking.exec_driver_sql("LOCK TABLE outbox IN ACCESS SHARE MODE")
+            with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+                db.upgrade(engine)
+            blocking.rollback()
+        assert db.current_revision(engine) == "0009"
+        assert _enum_check_forms(engine) == {True}
+        db.upgrade(engine)
+        assert db.current_revision(engine) == db.head_revision()
+        assert _enum_check_forms(engine) == {False}
+    finally:
+        holder.dispose()
+        engine.dispose()
+
+
+def test_two_migrators_at_once_apply_0010_once(postgres_url: str):
+    engine = db.create_engine(settings.load(), url=postgres_url)
+    try:
+        _down_to_0009(engine)
+        start = threading.Barrier(2, timeout=30)
+        results: list[object] = []
+
+        def migrate() -> None:
+            start.wait()
+            try:
+                results.append(db.upgrade(engine))
+            except Exception as error:  # noqa: BLE001 - reported by the assertion below
+                results.append(error)
+
+        threads = [threading.Thread(target=migrate) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        head = db.head_revision()
+        # One applied 0010; the other waited for it, then found nothing to do.
+        assert sorted(results, key=str) == sorted([("0009", head), (head, head)], key=str)
+        assert _enum_check_forms(engine) == {False}
     finally:
         engine.dispose()
