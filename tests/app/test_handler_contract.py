@@ -87,7 +87,7 @@ def closing() -> Iterator[list[Outbox]]:
     boxes: list[Outbox] = []
     yield boxes
     for box in boxes:
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
         box.close()
 
 

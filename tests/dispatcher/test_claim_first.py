@@ -200,12 +200,17 @@ def test_the_claim_settles_on_one_plan_instead_of_planning_every_pass(postgres_u
         for _ in range(15):  # prepared after 5 runs; PostgreSQL weighs 5 custom plans first
             claimed += claim(engine, Admission(), limit=100).effects
         assert len(claimed) == 1_500  # the statement did its work on every pass
-        with engine.connect() as conn:  # the pool's one connection: its prepared statements
-            plans = conn.exec_driver_sql(
+        # The claims' connection (parked for the next one-statement call): its prepared
+        # statements.
+        plans = db.autocommit(
+            engine,
+            lambda conn: db.driver_execute(
+                conn,
                 "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
                 " WHERE statement LIKE %(claim)s",
                 {"claim": "%WITH due AS%claimed AS%"},
-            ).all()
+            ).fetchall(),
+        )
         assert len(plans) == 1, plans
         generic, custom = plans[0]
         assert generic >= 3 and custom <= 5, plans

@@ -187,4 +187,4 @@ def test_the_loop_claims_on_one_held_connection_and_gives_it_back(
             seed(other, 2, now=schema.utcnow(), prefix=f"w{wave}")
             _wait_for_count(delivered, 2 * (wave + 1))
     assert len(used) >= 3 and len(set(used)) == 1
-    assert engine.pool.checkedout() == 0
+    assert db.in_use(engine) == 0

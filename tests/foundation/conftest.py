@@ -15,7 +15,7 @@ def box(db_url: str, clock) -> Iterator[Outbox]:
         outbox.create_tenant("globex")
         yield outbox
         # No connection may leak out of a test (a leaked one holds SQLite's lock).
-        assert outbox.engine.pool.checkedout() == 0
+        assert db.in_use(outbox.engine) == 0
 
 
 def counts(box: Outbox) -> dict[str, int]:

@@ -30,14 +30,21 @@ def postgres_box(postgres_url: str, clock) -> Outbox:
     with Outbox(postgres_url, clock=clock) as outbox:
         outbox.create_tenant("acme")
         yield outbox
-        assert outbox.engine.pool.checkedout() == 0
+        assert db.in_use(outbox.engine) == 0
 
 
 def _backend_pids(box: Outbox) -> set[int]:
-    """The pooled connections' server processes (each checked out, then returned)."""
+    """The server processes of the pool's idle connections (each checked out, then
+    returned) and of the connections parked for the next create."""
+    parking = box.engine.pool
+    assert isinstance(parking, db.Parking)
+    parked = {
+        db.driver_execute(conn, "SELECT pg_backend_pid()", ()).fetchone()[0]
+        for conn in parking.parked()
+    }
     held = [box.engine.connect() for _ in range(box.engine.pool.checkedin())]
     try:
-        return {c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() for c in held}
+        return parked | {c.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() for c in held}
     finally:
         for conn in held:
             conn.close()
@@ -136,7 +143,7 @@ def test_after_a_restart_every_idle_connection_is_dead_and_the_next_call_still_s
     first = box.execute("acme", "op-1", TOOL, ARGS)
     _fill_pool(box, 4)
     pids = _backend_pids(box)
-    assert len(pids) == 4
+    assert len(pids) == 4 + 1  # the four idle in the pool, and the first create's, parked
     _terminate(pids)
 
     result = box.execute("acme", "op-1" if replay else "op-2", TOOL, ARGS)

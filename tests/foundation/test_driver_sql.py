@@ -100,7 +100,7 @@ def test_a_constraint_violation_is_sqlalchemys_integrity_error(box: Outbox) -> N
     # The create path maps the same error to the caller's error.
     with pytest.raises(errors.UnknownTenant):
         box.execute("no-such-tenant", "op-4", "create_support_task", {"subject": "x"})
-    assert box.engine.pool.checkedout() == 0
+    assert db.in_use(box.engine) == 0
 
 
 def test_the_rendered_sql_is_the_statements(backend: str) -> None:

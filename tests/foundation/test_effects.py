@@ -41,7 +41,7 @@ def multi_box(db_url: str, clock) -> Iterator[Outbox]:
     with Outbox(db_url, clock=clock, registry=registry) as box:
         box.create_tenant("acme")
         yield box
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
 
 
 def _effects(box: Outbox) -> list[tuple[str, str, str]]:

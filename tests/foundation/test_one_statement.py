@@ -103,7 +103,7 @@ def handlers_box(db_url: str, clock) -> Iterator[Outbox]:
     with Outbox(db_url, clock=clock, registry=registry) as box:
         box.create_tenant("acme")
         yield box
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
 
 
 @pytest.mark.parametrize("tool", ["with_conn", "returning_subject", "swallows"])
@@ -137,7 +137,7 @@ def pg_box(postgres_url: str, clock) -> Iterator[Outbox]:
     with Outbox(postgres_url, clock=clock) as box:
         box.create_tenant("acme")
         yield box
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
 
 
 def _once(action: Any) -> Any:
@@ -242,7 +242,7 @@ def test_a_create_with_many_rows_and_effects_takes_the_general_path(db_url: str,
         # PostgreSQL stopped collecting at the fold limit and ran it in a transaction;
         # the replay's optimistic run stopped there too, and the lookup answered it.
         assert runs == (["many_rows"] * 3 if backend == "postgres" else ["many_rows"])
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
 
 
 @pytest.mark.postgres
@@ -346,7 +346,7 @@ def test_a_replay_is_answered_even_when_the_handler_now_fails(db_url: str, clock
         with pytest.raises(ValueError, match="refuses"):  # a first call still fails
             box.execute("acme", "op-2", "flaky", {"subject": "s"})
         assert counts(box) == {"tasks": 1, "operations": 1, "outbox": 1}
-        assert box.engine.pool.checkedout() == 0
+        assert db.in_use(box.engine) == 0
 
 
 def test_a_tool_that_took_the_connection_starts_in_the_transaction(handlers_box: Outbox):

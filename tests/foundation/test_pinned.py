@@ -28,7 +28,7 @@ pytestmark = pytest.mark.postgres
 def engine(postgres_url: str) -> Iterator[Engine]:
     engine = db.create_engine(settings.load(), url=postgres_url)
     yield engine
-    assert engine.pool.checkedout() == 0  # nothing left held
+    assert db.in_use(engine) == 0  # nothing left held
     engine.dispose()
 
 
@@ -42,14 +42,14 @@ def test_every_call_runs_on_the_one_held_connection_and_commits_alone(
     pinned = db.Pinned(engine)
     try:
         first = pinned.autocommit(_pid)
-        checkouts = engine.pool.checkedout()
+        checkouts = db.in_use(engine)
         pinned.autocommit(lambda c: db.driver_execute(c, "CREATE TABLE t (x int)", ()))
         pinned.autocommit(lambda c: db.driver_execute(c, "INSERT INTO t VALUES (1)", ()))
         # Committed: another session sees the row at once.
         with psycopg.connect(notify.dsn(postgres_url)) as other:
             assert other.execute("SELECT x FROM t").fetchall() == [(1,)]
         assert pinned.autocommit(_pid) == first
-        assert engine.pool.checkedout() == checkouts == 1  # held, not checked out again
+        assert db.in_use(engine) == checkouts == 1  # held, not checked out again
     finally:
         pinned.close()
 
@@ -80,7 +80,7 @@ def test_a_refused_statement_gives_the_connection_back(engine: Engine) -> None:
         pinned.autocommit(_pid)
         with pytest.raises(exc.DataError):
             pinned.autocommit(lambda c: db.driver_execute(c, "SELECT 1 / 0", ()))
-        assert engine.pool.checkedout() == 0  # back in the pool, still usable
+        assert db.in_use(engine) == 0  # back in the pool, still usable
         with engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1
         assert pinned.autocommit(lambda c: db.driver_execute(c, "SELECT 2", ()).fetchone()[0]) == 2
@@ -98,7 +98,7 @@ def test_an_interrupted_call_discards_the_connection(engine: Engine) -> None:
         before = pinned.autocommit(_pid)
         with pytest.raises(KeyboardInterrupt):
             pinned.autocommit(interrupted)
-        assert engine.pool.checkedout() == 0
+        assert db.in_use(engine) == 0
         assert pinned.autocommit(_pid) != before  # a new connection, not the suspect one
     finally:
         pinned.close()
@@ -109,7 +109,7 @@ def test_close_gives_the_connection_back_out_of_autocommit(engine: Engine) -> No
     held = pinned.autocommit(_pid)
     pinned.close()
     pinned.close()  # twice is harmless
-    assert engine.pool.checkedout() == 0
+    assert db.in_use(engine) == 0
     with engine.connect() as conn:  # the pool's only connection: the one that was held
         assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() == held
         assert conn.connection.dbapi_connection.autocommit is False  # type: ignore[union-attr]
