@@ -59,6 +59,16 @@ SWEEP_RUNS = Counter("outbox_sweep_runs_total", "Reconciler sweep passes", ["swe
 OPERATIONS = Counter(
     "outbox_operations_total", "Create calls by result", ["tool", "result"]
 )  # result: created | replayed | conflict | invalid | expired | busy
+_OPERATION_COUNTERS: dict[tuple[str, str], Any] = {}
+
+
+def operations(tool: str, result: str) -> Any:
+    """``OPERATIONS.labels(tool, result)``, looked up once per pair (``labels`` takes a
+    lock and builds its key on every call; a create counts itself on every call)."""
+    counter = _OPERATION_COUNTERS.get((tool, result))
+    if counter is None:
+        counter = _OPERATION_COUNTERS[tool, result] = OPERATIONS.labels(tool, result)
+    return counter
 
 
 def create_result(error: errors.OutboxError) -> str:

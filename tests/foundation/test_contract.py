@@ -7,10 +7,13 @@ subjects, tenant scope, invalid input, concurrent delivery (in test_concurrency)
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, db, errors, faults, schema
+from outbox.creating import create
 from tests.foundation.conftest import counts
 
 TOOL = "create_support_task"
@@ -183,3 +186,18 @@ def test_effect_key_is_stored_once_and_unique(box: Outbox):
     with db.read(box.engine) as conn:
         keys = conn.execute(sa.select(schema.outbox.c.effect_key)).scalars().all()
     assert len(set(keys)) == 5 and all(k.startswith("obx_") for k in keys)
+
+
+def test_an_effect_key_is_obx_and_a_random_version_4_uuid():
+    """The key a provider sees: ``obx_`` and 32 hex digits of a version 4 UUID, as
+    ``uuid.uuid4().hex`` writes them (the form every earlier key has)."""
+    keys = [create.new_effect_key() for _ in range(2_000)]
+    assert len(set(keys)) == len(keys)
+    for key in keys:
+        prefix, digits = key[:4], key[4:]
+        parsed = uuid.UUID(hex=digits)
+        assert prefix == "obx_" and digits == parsed.hex
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    # Random apart from the six fixed bits: every hex digit but those two takes many values.
+    for position in set(range(32)) - {12}:
+        assert len({key[4 + position] for key in keys}) >= 4, position
