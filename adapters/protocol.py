@@ -86,7 +86,8 @@ class DeliveryResult:
                 raise ValueError(
                     f"retry_after must be a finite number >= 0, not {self.retry_after}"
                 )
-        object.__setattr__(self, "error", _bounded(self.error))
+        if self.error is not None and len(self.error) > ERROR_MAX_CHARS:
+            object.__setattr__(self, "error", _bounded(self.error))
 
     @classmethod
     def delivered(
@@ -148,7 +149,8 @@ class LookupResult:
             object.__setattr__(self, "status", LookupStatus(self.status))
         if self.status is LookupStatus.FOUND and not self.provider_ref:
             raise ValueError("a FOUND lookup result needs a provider_ref")
-        object.__setattr__(self, "error", _bounded(self.error))
+        if self.error is not None and len(self.error) > ERROR_MAX_CHARS:
+            object.__setattr__(self, "error", _bounded(self.error))
 
     @classmethod
     def found(cls, provider_ref: str) -> LookupResult:

@@ -528,6 +528,7 @@ class Dispatcher:
             done = _take(one.results, self._wait_timeout(one.oldest))
             if done:
                 one.progress = time.monotonic()
+            sent: collections.Counter[tuple[str, str]] = collections.Counter()
             for task, outcome in done:
                 one.waiting.discard(task)
                 task.finished = True
@@ -542,11 +543,12 @@ class Dispatcher:
                     continue
                 assert isinstance(outcome, _Result)
                 if task.done is not None:  # sent: counted here, off the runners' threads
-                    self._count_delivery(
-                        task.effect.adapter, outcome.outcome.value, task.done - task.started
-                    )
+                    adapter = task.effect.adapter
+                    sent[adapter, outcome.outcome.value] += 1
+                    self._attempt_timer(adapter).observe(task.done - task.started)
                 one.buffer.append(self._finish(task, outcome, at(task)))
                 one.oldest = one.oldest if one.oldest is not None else time.monotonic()
+            self._count_deliveries(sent)
             if one.buffer and (
                 not one.waiting
                 or len(one.buffer) >= self.flush_size
@@ -630,22 +632,26 @@ class Dispatcher:
         faults.point("dispatch.after_send_before_finish")
         return result
 
-    def _count_delivery(self, adapter: str, outcome: str, seconds: float) -> None:
-        """Count a send where its result is taken in, not on the runner that sent it.
+    def _count_deliveries(self, sent: collections.Counter[tuple[str, str]]) -> None:
+        """Count sends where their results are taken in, not on the runners that sent them,
+        one ``inc`` per adapter and outcome of each batch taken.
 
         The counter's and the histogram's locks are shared: taken by every runner after
         every send, they cost a one-process drain with a no-op adapter 13% (interleaved
         runs, medians of 3: 8,062 effects/s counting on the runners, 9,112 here)."""
-        counter = self._delivery_counters.get((adapter, outcome))
-        if counter is None:
-            counter = self._delivery_counters[adapter, outcome] = metrics.DELIVERIES.labels(
-                adapter, outcome
-            )
+        for (adapter, outcome), count in sent.items():
+            counter = self._delivery_counters.get((adapter, outcome))
+            if counter is None:
+                counter = self._delivery_counters[adapter, outcome] = metrics.DELIVERIES.labels(
+                    adapter, outcome
+                )
+            counter.inc(count)
+
+    def _attempt_timer(self, adapter: str) -> Any:
         timer = self._attempt_timers.get(adapter)
         if timer is None:
             timer = self._attempt_timers[adapter] = metrics.ATTEMPT_SECONDS.labels(adapter)
-        counter.inc()
-        timer.observe(seconds)
+        return timer
 
     def _send(self, task: _Task) -> _Result:
         effect = task.effect

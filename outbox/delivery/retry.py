@@ -237,6 +237,11 @@ class CircuitBreaker:
 
     def allow(self, now: datetime) -> bool:
         """May a delivery start now? In half-open state, only the first caller's may."""
+        if self._closed():
+            # Read without the lock (an attribute read is atomic): a breaker another
+            # thread opens at this moment opens just after this delivery was admitted,
+            # as it would after the lock. Every effect of a healthy adapter passes here.
+            return True
         with self._lock:
             if self.state is BreakerState.CLOSED:
                 return True
@@ -252,6 +257,9 @@ class CircuitBreaker:
                 return False
             self._probe_out, self._probe_at = True, now
             return True
+
+    def _closed(self) -> bool:
+        return self.state is BreakerState.CLOSED
 
     def paused(self, now: datetime) -> bool:
         """True when ``allow`` would refuse; does not take the probe."""
@@ -273,6 +281,10 @@ class CircuitBreaker:
     def record_success(self, now: datetime) -> bool:
         """Returns True when this closed a breaker that was open or half-open."""
         del now
+        if self.state is BreakerState.CLOSED and self.failures == 0:
+            # Nothing to reset (closing resets the rest): no lock for every delivered
+            # effect. A failure recorded at this moment counts as after this success.
+            return False
         with self._lock:
             was_open = self.state is not BreakerState.CLOSED
             self.state = BreakerState.CLOSED

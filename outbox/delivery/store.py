@@ -528,24 +528,27 @@ _SQLITE_OPEN_ATTEMPTS = (
 def _claimed_row(r: Sequence[Any], now: datetime, lease_expires_at: datetime) -> Claimed:
     """A claim's row of ``_CLAIMED`` columns, from either driver."""
     deadline = r[10]
+    if isinstance(deadline, str):  # SQLite: UTCDateTime's text
+        deadline = datetime.fromisoformat(deadline).replace(tzinfo=UTC)
+    elif deadline.tzinfo is not UTC:
+        deadline = deadline.astimezone(UTC)
+    # Positional, in ``Claimed``'s order (keywords cost a batch of 100 rows 40 us more):
+    # id, tenant, operation_id, effect, adapter, payload, effect_key, attempt_no, fence,
+    # maybe_sent (SQLite: 0 or 1), deadline_at, lease_expires_at, started_at.
     return Claimed(
-        id=r[0],
-        tenant=r[1],
-        operation_id=r[2],
-        effect=r[3],
-        adapter=r[4],
-        payload=r[5],
-        effect_key=r[6],
-        attempt_no=r[7],
-        fence=r[8],
-        maybe_sent=bool(r[9]),  # SQLite: 0 or 1
-        deadline_at=(  # SQLite: UTCDateTime's text
-            datetime.fromisoformat(deadline).replace(tzinfo=UTC)
-            if isinstance(deadline, str)
-            else deadline.astimezone(UTC)
-        ),
-        lease_expires_at=lease_expires_at,
-        started_at=now,
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        r[4],
+        r[5],
+        r[6],
+        r[7],
+        r[8],
+        bool(r[9]),
+        deadline,
+        lease_expires_at,
+        now,
     )
 
 
