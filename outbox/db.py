@@ -366,7 +366,8 @@ class Parking(QueuePool):
       connection back, and the pool remakes each at its next checkout;
     - age: a connection parked longer than ``MAX_PARKED_S`` goes back to the
       pool instead of being used, so ``pool_recycle`` still applies;
-    - ``dispose()`` (``Outbox.close``) closes them; a forked child forgets its
+    - ``dispose()`` (``Outbox.close``) closes them, and a call still running then
+      gives its connection back instead of parking it; a forked child forgets its
       parent's without touching them (their sockets are the parent's).
     """
 
@@ -377,6 +378,7 @@ class Parking(QueuePool):
         super().__init__(*args, **kwargs)
         self._parked: list[tuple[Direct, float]] = []
         self._parked_lock = threading.Lock()
+        self._disposed = False
         _PARKINGS.add(self)
 
     def take(self) -> Direct | None:
@@ -400,7 +402,8 @@ class Parking(QueuePool):
         ):
             return False
         with self._parked_lock:
-            if len(self._parked) >= self.LIMIT:
+            if self._disposed or len(self._parked) >= self.LIMIT:
+                # Disposed (``Outbox.close`` while this call ran): nobody would close it.
                 return False
             self._parked.append((conn, time.monotonic()))
         return True
@@ -418,6 +421,8 @@ class Parking(QueuePool):
             _give_back(conn)
 
     def dispose(self) -> None:
+        with self._parked_lock:
+            self._disposed = True
         self.give_back_parked()
         super().dispose()
 

@@ -196,6 +196,21 @@ def test_dispose_closes_the_parked_connections(postgres_url: str) -> None:
             pytest.fail(f"backend {pid} still connected after dispose")
 
 
+def test_a_call_that_ends_after_dispose_is_not_parked(postgres_url: str) -> None:
+    """``Outbox.close`` from another thread while a create runs: the create's connection
+    must not wait in a pool nobody will close again."""
+    engine = _engine(postgres_url)
+    parking = _parking(engine)
+
+    def body(conn: db.Direct) -> int:
+        engine.dispose()
+        return _pid(conn)
+
+    db.autocommit(engine, body)
+    assert parking.parked() == []
+    engine.dispose()
+
+
 def test_a_forked_child_does_not_use_or_close_its_parents_parked_connection(
     engine: Engine,
 ) -> None:
