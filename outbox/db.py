@@ -131,16 +131,15 @@ def _postgres_engine(parsed: sa.URL, busy: float, *, pooled: bool, **kwargs: Any
     if "poolclass" not in kwargs:
         # Room for the parked connections on top of the pool's own: callers can still
         # check out pool_size + max_overflow while ``Parking.LIMIT`` are parked.
+        _pool_options(kwargs)
         kwargs["poolclass"] = Parking
-        kwargs.setdefault("pool_size", POOL_SIZE)
-        overflow = kwargs.setdefault("max_overflow", POOL_OVERFLOW)
-        if overflow >= 0:
-            kwargs["max_overflow"] = overflow + Parking.LIMIT
+        if kwargs["max_overflow"] >= 0:
+            kwargs["max_overflow"] += Parking.LIMIT
     engine = sa.create_engine(
         parsed,
         connect_args=connect_args,
         pool_pre_ping=False,  # ours below, which ``transact`` can skip
-        **_pool_options(kwargs),
+        **kwargs,
     )
     if pooled:
 
@@ -200,13 +199,9 @@ def _install_pre_ping(engine: Engine) -> None:
 def _pool_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Room for a dispatcher's threads; no sizes when the caller picked a pool class."""
     if "poolclass" not in kwargs:
-        kwargs.setdefault("pool_size", POOL_SIZE)
-        kwargs.setdefault("max_overflow", POOL_OVERFLOW)
+        kwargs.setdefault("pool_size", 16)
+        kwargs.setdefault("max_overflow", 16)
     return kwargs
-
-
-POOL_SIZE = 16
-POOL_OVERFLOW = 16
 
 
 @contextlib.contextmanager
@@ -312,9 +307,7 @@ def autocommit(engine: Engine, body: Callable[[Direct], T]) -> T:
     def attempt() -> T:
         conn = parking.take() if parking is not None else None
         if conn is None:
-            conn = _unpinged(engine)
-            dbapi_connection: Any = conn.connection.dbapi_connection
-            dbapi_connection.autocommit = True
+            conn = _unpinged(engine, autocommit=True)
         try:
             result = body(conn)
         except BaseException as error:
@@ -331,12 +324,17 @@ def autocommit(engine: Engine, body: Callable[[Direct], T]) -> T:
     return _once_more_if_disconnected(attempt, lambda: True)
 
 
-def _unpinged(engine: Engine) -> Direct:
+def _unpinged(engine: Engine, *, autocommit: bool = False) -> Direct:
+    """A pooled connection without the pre-ping, switched to autocommit if asked."""
     token = _NO_PING.set(True)
     try:
-        return Direct(engine.raw_connection(), engine.dialect)
+        conn = Direct(engine.raw_connection(), engine.dialect)
     finally:
         _NO_PING.reset(token)
+    if autocommit:
+        dbapi_connection: Any = conn.connection.dbapi_connection
+        dbapi_connection.autocommit = True
+    return conn
 
 
 def _give_back(conn: Direct) -> None:
@@ -493,23 +491,12 @@ class Pinned:
     def close(self) -> None:
         """Give the connection back to the pool, out of autocommit, if one is held."""
         held, self._held = self._held, None
-        if held is None:
-            return
-        if held.connection.is_valid:
-            with contextlib.suppress(Exception):  # a dead one is discarded either way
-                held.connection.dbapi_connection.autocommit = False  # type: ignore[union-attr]
-        held.connection.close()
+        if held is not None:
+            _give_back(held)
 
     def _connection(self) -> Direct:
         if self._held is None:
-            token = _NO_PING.set(True)
-            try:
-                proxied = self._engine.raw_connection()
-            finally:
-                _NO_PING.reset(token)
-            dbapi_connection: Any = proxied.dbapi_connection
-            dbapi_connection.autocommit = True
-            self._held = Direct(proxied, self._engine.dialect)
+            self._held = _unpinged(self._engine, autocommit=True)
         return self._held
 
 
@@ -533,15 +520,11 @@ def direct_write(engine: Engine, body: Callable[[Direct], T]) -> T:
 
 @contextlib.contextmanager
 def _direct(engine: Engine) -> Iterator[Direct]:
-    token = _NO_PING.set(True)
+    conn = _unpinged(engine)
     try:
-        proxied = engine.raw_connection()
+        yield conn
     finally:
-        _NO_PING.reset(token)
-    try:
-        yield Direct(proxied, engine.dialect)
-    finally:
-        proxied.close()
+        conn.connection.close()
 
 
 def _once_more_if_disconnected(attempt: Callable[[], T], repeatable: Callable[[], bool]) -> T:
@@ -726,11 +709,7 @@ def translate_errors() -> Iterator[None]:
     """Map the driver's lock errors to ``Busy`` once, here, keeping the cause."""
     try:
         yield
-    except exc.OperationalError as error:
-        if is_lock_error(error):
-            raise errors.Busy() from error
-        raise
-    except exc.DBAPIError as error:
+    except exc.DBAPIError as error:  # OperationalError among them
         if is_lock_error(error):
             raise errors.Busy() from error
         raise

@@ -59,16 +59,18 @@ SWEEP_RUNS = Counter("outbox_sweep_runs_total", "Reconciler sweep passes", ["swe
 OPERATIONS = Counter(
     "outbox_operations_total", "Create calls by result", ["tool", "result"]
 )  # result: created | replayed | conflict | invalid | expired | busy
-_OPERATION_COUNTERS: dict[tuple[str, str], Any] = {}
+_CHILDREN: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
 
-def operations(tool: str, result: str) -> Any:
-    """``OPERATIONS.labels(tool, result)``, looked up once per pair (``labels`` takes a
-    lock and builds its key on every call; a create counts itself on every call)."""
-    counter = _OPERATION_COUNTERS.get((tool, result))
-    if counter is None:
-        counter = _OPERATION_COUNTERS[tool, result] = OPERATIONS.labels(tool, result)
-    return counter
+def labelled(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)``, looked up once per metric and values: ``labels``
+    takes a lock and builds its key on every call, and the hot paths count every
+    create and every send. The children are the registry's own, so nothing is
+    counted twice; a lost race only looks one up twice."""
+    child = _CHILDREN.get((metric, values))
+    if child is None:
+        child = _CHILDREN[metric, values] = metric.labels(*values)
+    return child
 
 
 def create_result(error: errors.OutboxError) -> str:

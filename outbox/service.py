@@ -108,12 +108,12 @@ class Outbox:
             result = self._execute(tenant, operation_id, tool, arguments)
         except errors.OutboxError as error:
             outcome = metrics.create_result(error)
-            metrics.operations(label, outcome).inc()
+            metrics.labelled(metrics.OPERATIONS, label, outcome).inc()
             # Ids and the kind of refusal only: the arguments may hold a customer's text.
             logger.info("create refused: %s", outcome, extra={**context, "outcome": outcome})
             raise
         outcome = "created" if result.created else "replayed"
-        metrics.operations(label, outcome).inc()
+        metrics.labelled(metrics.OPERATIONS, label, outcome).inc()
         logger.info("operation %s", outcome, extra={**context, "outcome": outcome})
         return result
 

@@ -198,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--creates", type=int, default=500)
     harness.add_pg_argument(parser)
     options = parser.parse_args(argv)
-    scratch = harness.Scratch(options.pg)
-    try:
-        parts = measure(options.creates, scratch.postgres())
-    finally:
-        scratch.close()
+    parts = harness.on_scratch_postgres(options.pg, lambda url: measure(options.creates, url))
     print("\n".join(table(parts)))
     return 0
 

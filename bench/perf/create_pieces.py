@@ -156,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=5_000)
     harness.add_pg_argument(parser)
     options = parser.parse_args(argv)
-    scratch = harness.Scratch(options.pg)
-    try:
-        pieces = measure(options.calls, scratch.postgres())
-    finally:
-        scratch.close()
+    pieces = harness.on_scratch_postgres(options.pg, lambda url: measure(options.calls, url))
     print("\n".join(table(pieces)))
     return 0
 

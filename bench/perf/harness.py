@@ -423,6 +423,15 @@ class ServerCpu:
                     return
 
 
+def on_scratch_postgres(admin_url: str, measure: Callable[[str], Any]) -> Any:
+    """``measure(url)`` on a fresh migrated PostgreSQL database, dropped afterwards."""
+    scratch = Scratch(admin_url)
+    try:
+        return measure(scratch.postgres())
+    finally:
+        scratch.close()
+
+
 def wait_until(start_at: float) -> None:
     delay = start_at - time.monotonic()
     if delay > 0:

@@ -259,6 +259,8 @@ class CircuitBreaker:
             return True
 
     def _closed(self) -> bool:
+        # A method, not an inline test: the type checker would otherwise take ``state`` as
+        # never CLOSED in ``allow``'s locked check, which another thread can make true.
         return self.state is BreakerState.CLOSED
 
     def paused(self, now: datetime) -> bool:
